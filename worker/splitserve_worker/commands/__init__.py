@@ -1,0 +1,1 @@
+"""Subcommands of the ``splitserve`` command, one module each."""

