@@ -77,7 +77,7 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., compat: _Optional[_Union[CompatInfo, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., kv_backend: _Optional[str] = ...) -> None: ...
 
 class TransferHandle(_message.Message):
-    __slots__ = ("request_id", "decode_address", "block_ids", "lease_id", "lease_expires_unix", "kv_backend", "backend_metadata", "compat")
+    __slots__ = ("request_id", "decode_address", "block_ids", "lease_id", "lease_expires_unix", "kv_backend", "backend_metadata", "compat", "num_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class TransferHandle(_message.Message):
     KV_BACKEND_FIELD_NUMBER: _ClassVar[int]
     BACKEND_METADATA_FIELD_NUMBER: _ClassVar[int]
     COMPAT_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     decode_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -94,7 +95,8 @@ class TransferHandle(_message.Message):
     kv_backend: str
     backend_metadata: bytes
     compat: CompatInfo
-    def __init__(self, request_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix: _Optional[float] = ..., kv_backend: _Optional[str] = ..., backend_metadata: _Optional[bytes] = ..., compat: _Optional[_Union[CompatInfo, _Mapping]] = ...) -> None: ...
+    num_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix: _Optional[float] = ..., kv_backend: _Optional[str] = ..., backend_metadata: _Optional[bytes] = ..., compat: _Optional[_Union[CompatInfo, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("handle",)
@@ -119,7 +121,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ..., blocks_freed: _Optional[int] = ...) -> None: ...
 
 class KVLayer(_message.Message):
-    __slots__ = ("request_id", "lease_id", "layer", "start_token", "num_tokens", "data", "crc32")
+    __slots__ = ("request_id", "lease_id", "layer", "start_token", "num_tokens", "data", "crc32", "compat_hash")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +129,7 @@ class KVLayer(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_id: str
     layer: int
@@ -134,7 +137,8 @@ class KVLayer(_message.Message):
     num_tokens: int
     data: bytes
     crc32: int
-    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., layer: _Optional[int] = ..., start_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    compat_hash: str
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., layer: _Optional[int] = ..., start_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., compat_hash: _Optional[str] = ...) -> None: ...
 
 class PushKVAck(_message.Message):
     __slots__ = ("layers_received", "bytes_received")
@@ -145,18 +149,20 @@ class PushKVAck(_message.Message):
     def __init__(self, layers_received: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("request_id", "lease_id", "first_token", "first_token_logprob", "layers_sent")
+    __slots__ = ("request_id", "lease_id", "first_token", "first_token_logprob", "layers_sent", "layer_crc32")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     LAYERS_SENT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_CRC32_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_id: str
     first_token: int
     first_token_logprob: float
     layers_sent: int
-    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., layers_sent: _Optional[int] = ...) -> None: ...
+    layer_crc32: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., layers_sent: _Optional[int] = ..., layer_crc32: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("admitted",)
@@ -243,7 +249,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("role", "compat", "free_blocks", "total_blocks", "running", "waiting", "tokens_in_flight", "version")
+    __slots__ = ("role", "compat", "free_blocks", "total_blocks", "running", "waiting", "tokens_in_flight", "version", "kv_backends", "leases")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     COMPAT_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +258,8 @@ class HealthResponse(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     TOKENS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    KV_BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
     role: Role
     compat: CompatInfo
     free_blocks: int
@@ -260,7 +268,9 @@ class HealthResponse(_message.Message):
     waiting: int
     tokens_in_flight: int
     version: str
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., compat: _Optional[_Union[CompatInfo, _Mapping]] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    kv_backends: _containers.RepeatedScalarFieldContainer[str]
+    leases: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., compat: _Optional[_Union[CompatInfo, _Mapping]] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., version: _Optional[str] = ..., kv_backends: _Optional[_Iterable[str]] = ..., leases: _Optional[int] = ...) -> None: ...
 
 class KVEvent(_message.Message):
     __slots__ = ("kind", "block_hashes", "seq")

@@ -91,13 +91,15 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Events(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The engine's prefix-cache events from now on, until the caller hangs up.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Cancel(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Aborts a running request and frees whatever it holds (reservation included).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
