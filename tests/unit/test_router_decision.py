@@ -1,0 +1,71 @@
+"""The disaggregation decision, with worked arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve_worker.router.config import CostModelConfig
+from splitserve_worker.router.decision import DecisionInput, Where, decide, transfer_exposed_s
+
+pytestmark = pytest.mark.unit
+
+COST = CostModelConfig(
+    prefill_tokens_per_s=1000.0,
+    decode_prefill_tokens_per_s=1000.0,
+    link_bytes_per_s=1e9,
+    kv_bytes_per_token=1e6,  # 1 ms per token over the link, all layers
+    num_layers=10,
+    handoff_overhead_s=0.01,
+    short_prompt_tokens=32,
+    decode_stall_weight=0.5,
+)
+
+
+def test_exposed_transfer_is_one_layer_share() -> None:
+    # 1000 tokens * 1 MB / 1 GB/s = 1 s in all; one layer of ten is exposed
+    assert transfer_exposed_s(1000, COST) == pytest.approx(0.1)
+
+
+def test_short_prompt_stays_local() -> None:
+    d = decide(DecisionInput(num_prompt_tokens=20), COST)
+    assert d.where is Where.LOCAL and "short" in d.reason
+
+
+def test_prompt_mostly_cached_on_decode_stays_local() -> None:
+    d = decide(DecisionInput(num_prompt_tokens=2000, cached_on_decode_tokens=1990), COST)
+    assert d.where is Where.LOCAL
+
+
+def test_long_prompt_on_busy_decode_goes_remote() -> None:
+    # remote: 1000/1000 + 0.1 + 0.01 = 1.11 s; local: 1.0 + 0.5 * 8 * 1.0 = 5.0 s
+    d = decide(DecisionInput(num_prompt_tokens=1000, decode_running=8), COST)
+    assert d.where is Where.REMOTE
+    assert d.remote_s == pytest.approx(1.11)
+    assert d.local_s == pytest.approx(5.0)
+
+
+def test_long_prompt_on_idle_decode_with_busy_prefill_goes_local() -> None:
+    # remote: 3 s wait + 1.11 s; local: 1.0 s and nobody to stall
+    d = decide(DecisionInput(num_prompt_tokens=1000, prefill_wait_s=3.0), COST)
+    assert d.where is Where.LOCAL
+    assert d.remote_s == pytest.approx(4.11)
+    assert d.local_s == pytest.approx(1.0)
+
+
+def test_slow_link_keeps_prefill_local() -> None:
+    slow = CostModelConfig(**{**COST.__dict__, "link_bytes_per_s": 1e7, "decode_stall_weight": 0.0})
+    # exposed transfer: 1000 * 1e6 / 1e7 / 10 = 10 s
+    d = decide(DecisionInput(num_prompt_tokens=1000, decode_running=4), slow)
+    assert d.where is Where.LOCAL
+
+
+def test_no_prefill_worker_or_colocated_means_local() -> None:
+    assert decide(DecisionInput(5000, prefill_available=False), COST).where is Where.LOCAL
+    assert decide(DecisionInput(5000, decode_is_colocated=True), COST).where is Where.LOCAL
+
+
+def test_prefix_cached_on_prefill_worker_makes_remote_cheaper() -> None:
+    inp = DecisionInput(num_prompt_tokens=1000, cached_on_prefill_tokens=900, decode_running=1)
+    d = decide(inp, COST)
+    # remote: 0.1 + 0.1 + 0.01 = 0.21 s; local: 1.0 + 0.5 = 1.5 s
+    assert d.where is Where.REMOTE and d.remote_s == pytest.approx(0.21)

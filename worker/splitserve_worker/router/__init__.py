@@ -1,0 +1,1 @@
+"""The router: OpenAI-compatible API, two queues, routing and the KV handoff."""

@@ -1,0 +1,151 @@
+"""OpenAI-compatible request models (pydantic), with the checks the engine relies on.
+
+Unknown fields are refused with a message naming them, so a typo never goes
+unnoticed. Sampling options the engine does not implement (penalties, logit
+bias, n > 1, best_of) are accepted only at their neutral value.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP_STRINGS = 16
+MAX_SEED = 2**63 - 1
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(default="", max_length=512)
+    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1, le=1_000_000)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    user: str | None = Field(default=None, max_length=512)
+    # vLLM extensions
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0, le=1_000_000)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        if any(s == "" for s in items):
+            raise ValueError("stop strings must not be empty")
+        if any(len(s) > 256 for s in items):
+            raise ValueError("stop strings must be at most 256 characters")
+        return v
+
+    @model_validator(mode="after")
+    def _neutral(self) -> _Sampling:
+        if self.n != 1:
+            raise ValueError("n must be 1: this server returns one choice per request")
+        if self.presence_penalty != 0.0 or self.frequency_penalty != 0.0:
+            raise ValueError("presence_penalty and frequency_penalty are not supported; use 0")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(min_length=1)]
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | TokenIds | list[str] | list[TokenIds]
+    logprobs: int | None = Field(default=None, ge=0, le=1)
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1, le=1)
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            if v == "":
+                raise ValueError("prompt must not be empty")
+            return v
+        if not v:
+            raise ValueError("prompt must not be empty")
+        if isinstance(v[0], str | list):
+            if len(v) != 1:
+                raise ValueError("batched prompts are not supported: send one prompt per request")
+            if v[0] == "" or v[0] == []:
+                raise ValueError("prompt must not be empty")
+            return v[0]
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported; use false")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = Field(default=None, max_length=256)
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=0)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> ChatCompletionRequest:
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        return self
+
+    def token_limit(self) -> int | None:
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else (self.max_tokens)
+        )

@@ -1,0 +1,89 @@
+"""Disaggregate or not: a pure cost model, decided per request.
+
+Remote (disaggregated) prefill costs the wait for a prefill worker, the
+uncached prompt tokens at the prefill worker's speed, the share of the KV
+transfer still exposed after the last layer (the push overlaps the compute,
+layer by layer) and a fixed handoff overhead. Local prefill on the chosen
+decode worker costs its uncached tokens at the decode worker's speed, the
+wait behind its own queue, plus the stall it inflicts on the sequences it is
+decoding (each running sequence waits for the whole local prefill), weighted
+by ``decode_stall_weight``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from splitserve_worker.router.config import CostModelConfig
+
+
+class Where(StrEnum):
+    REMOTE = "remote"
+    """Prefill on a prefill worker, push the KV to the decode worker."""
+    LOCAL = "local"
+    """Prefill on the decode worker itself."""
+
+
+@dataclass(frozen=True)
+class DecisionInput:
+    num_prompt_tokens: int
+    cached_on_prefill_tokens: int = 0
+    """Prompt tokens already cached on the chosen prefill worker."""
+    cached_on_decode_tokens: int = 0
+    """Prompt tokens already cached on the chosen decode worker."""
+    prefill_wait_s: float = 0.0
+    """Estimated queueing before the prefill worker starts this prompt."""
+    decode_wait_s: float = 0.0
+    """Estimated queueing before the decode worker could prefill this prompt."""
+    decode_running: int = 0
+    """Sequences the decode worker is decoding now (they stall during a local prefill)."""
+    prefill_available: bool = True
+    """False when no prefill worker can take the request."""
+    decode_is_colocated: bool = False
+    """The decode worker is a 'both' worker: local chunked prefill is its normal path."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    where: Where
+    reason: str
+    remote_s: float
+    local_s: float
+
+
+def transfer_exposed_s(tokens: int, cost: CostModelConfig) -> float:
+    """Transfer time left after prefill ends: one layer's share when pushed layer by layer."""
+    total = tokens * cost.kv_bytes_per_token / cost.link_bytes_per_s
+    return total / cost.num_layers
+
+
+def decide(inp: DecisionInput, cost: CostModelConfig) -> Decision:
+    """Where this request's prompt should be prefilled."""
+    prompt = max(0, inp.num_prompt_tokens)
+    uncached_remote = max(0, prompt - inp.cached_on_prefill_tokens)
+    uncached_local = max(0, prompt - inp.cached_on_decode_tokens)
+    # A prefill worker recomputes at least the last token; so does the decode worker.
+    remote_s = (
+        inp.prefill_wait_s
+        + max(1, uncached_remote) / cost.prefill_tokens_per_s
+        + transfer_exposed_s(prompt, cost)
+        + cost.handoff_overhead_s
+    )
+    local_compute = max(1, uncached_local) / cost.decode_prefill_tokens_per_s
+    local_s = (
+        inp.decode_wait_s
+        + local_compute
+        + cost.decode_stall_weight * inp.decode_running * local_compute
+    )
+    if not inp.prefill_available:
+        return Decision(Where.LOCAL, "no prefill worker available", remote_s, local_s)
+    if inp.decode_is_colocated:
+        return Decision(Where.LOCAL, "colocated worker prefills its own prompts", remote_s, local_s)
+    if uncached_local <= cost.short_prompt_tokens:
+        return Decision(
+            Where.LOCAL, "short or mostly cached on the decode worker", remote_s, local_s
+        )
+    if local_s < remote_s:
+        return Decision(Where.LOCAL, "local prefill is cheaper", remote_s, local_s)
+    return Decision(Where.REMOTE, "remote prefill is cheaper", remote_s, local_s)

@@ -1,0 +1,113 @@
+"""Errors in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from splitserve_worker.router.queues import Saturated
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "server_error",
+    503: "server_error",
+    504: "server_error",
+}
+
+
+class APIError(Exception):
+    """An answer to a request that could not be served, with its HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def from_saturated(e: Saturated) -> APIError:
+    return APIError(
+        e.status,
+        e.detail,
+        code="queue_full" if e.status == 429 else "queue_timeout",
+        headers={"Retry-After": str(e.retry_after_s)},
+    )
+
+
+def _loc(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    # pydantic adds the union member's type name to the location; drop those
+    parts = [p for p in parts if not p.startswith(("list[", "str", "int", "function-"))]
+    return ".".join(parts) or None
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    if not errors:
+        return "invalid request", None
+    msgs = []
+    param = None
+    for err in errors[:5]:
+        where = _loc(tuple(err.get("loc", ())))
+        param = param or where
+        text = str(err.get("msg", "invalid value"))
+        text = text.removeprefix("Value error, ")
+        msgs.append(f"{where}: {text}" if where else text)
+    return "; ".join(msgs), param
+
+
+def install(app: FastAPI) -> None:
+    """Answer every error (ours, validation, routing) in the OpenAI shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(exc.errors()))
+        return JSONResponse(error_body(400, message, param, "invalid_request"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            error_body(exc.status_code, str(exc.detail)),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
