@@ -104,6 +104,8 @@ class PrefixIndex:
             holders = self._holders.get(hashes[i])
             if not holders:
                 break
+            if active <= holders:
+                continue
             still = active & holders
             if len(still) != len(active):
                 for w in active - still:

@@ -20,11 +20,15 @@ class Role(StrEnum):
 
     @property
     def can_prefill(self) -> bool:
-        return self in (Role.PREFILL, Role.BOTH)
+        return self in PREFILL_ROLES
 
     @property
     def can_decode(self) -> bool:
-        return self in (Role.DECODE, Role.BOTH)
+        return self in DECODE_ROLES
+
+
+PREFILL_ROLES = frozenset({Role.PREFILL, Role.BOTH})
+DECODE_ROLES = frozenset({Role.DECODE, Role.BOTH})
 
 
 @dataclass(frozen=True)
@@ -82,15 +86,18 @@ Picker = Callable[[Sequence[WorkerView], Sequence[float]], WorkerView]
 
 
 def healthy(req: RouteRequest, workers: Sequence[WorkerView]) -> list[WorkerView]:
-    return [w for w in workers if w.healthy and w.name not in req.exclude]
+    ex = req.exclude
+    if ex:
+        return [w for w in workers if w.healthy and w.name not in ex]
+    return [w for w in workers if w.healthy]
 
 
 def can_prefill(req: RouteRequest, workers: Sequence[WorkerView]) -> list[WorkerView]:
-    return [w for w in workers if w.role.can_prefill]
+    return [w for w in workers if w.role in PREFILL_ROLES]
 
 
 def can_decode(req: RouteRequest, workers: Sequence[WorkerView]) -> list[WorkerView]:
-    return [w for w in workers if w.role.can_decode]
+    return [w for w in workers if w.role in DECODE_ROLES]
 
 
 def has_room(req: RouteRequest, workers: Sequence[WorkerView]) -> list[WorkerView]:
@@ -112,7 +119,9 @@ class PrefixScorer:
         total = len(req.block_hashes)
         if total == 0 or not req.cached_blocks:
             return [0.0] * len(workers)
-        return [min(1.0, req.cached_blocks.get(w.name, 0) / total) for w in workers]
+        get = req.cached_blocks.get
+        inv = 1.0 / total  # a worker never holds more leading blocks than the prompt has
+        return [get(w.name, 0) * inv for w in workers]
 
 
 @dataclass(frozen=True)
@@ -154,8 +163,9 @@ class RunningScorer:
     def __call__(self, req: RouteRequest, workers: Sequence[WorkerView]) -> list[float]:
         out = []
         for w in workers:
-            busy = max(w.running, w.assigned) + w.waiting
-            out.append(max(0.0, 1.0 - busy / max(1, w.max_running)))
+            busy = (w.running if w.running > w.assigned else w.assigned) + w.waiting
+            free = 1.0 - busy / (w.max_running or 1)
+            out.append(free if free > 0.0 else 0.0)
         return out
 
 
@@ -198,13 +208,12 @@ class Profile:
             left = f(req, left)
             if not left:
                 return None
-        totals = [0.0] * len(left)
-        parts: list[list[float]] = []
-        for scorer, weight in self.scorers:
-            s = scorer(req, left)
-            parts.append(s)
-            for i, v in enumerate(s):
-                totals[i] += weight * v
+        parts = [scorer(req, left) for scorer, _ in self.scorers]
+        w0 = self.scorers[0][1]
+        totals = [w0 * x for x in parts[0]]
+        for k in range(1, len(parts)):
+            wk = self.scorers[k][1]
+            totals = [t + wk * x for t, x in zip(totals, parts[k], strict=True)]
         chosen = self.picker(left, totals)
         i = next(i for i, w in enumerate(left) if w is chosen)
         return Choice(

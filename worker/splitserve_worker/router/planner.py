@@ -1,0 +1,119 @@
+"""One routing decision: prefill worker, decode worker, local or remote prefill.
+
+Pure and synchronous: it reads the prefix index and a snapshot of worker
+views, and returns a :class:`Plan`. The dispatcher turns plans into calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from splitserve_worker.router.config import RouterConfig
+from splitserve_worker.router.decision import Decision, DecisionInput, Where, decide
+from splitserve_worker.router.prefix_index import PrefixIndex
+from splitserve_worker.router.scoring import (
+    DECODE_ROLES,
+    PREFILL_ROLES,
+    Choice,
+    Profile,
+    Role,
+    RouteRequest,
+    WorkerView,
+    decode_profile,
+    prefill_profile,
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    decode: Choice
+    prefill: Choice | None
+    """None when the prompt is prefilled on the decode worker."""
+    decision: Decision
+
+    @property
+    def remote(self) -> bool:
+        return self.prefill is not None
+
+
+class NoWorker(Exception):
+    """No worker can take the request now (all busy, full, failed or absent)."""
+
+
+class RoutePlanner:
+    def __init__(self, config: RouterConfig, index: PrefixIndex | None = None) -> None:
+        self.config = config
+        self.index = index if index is not None else PrefixIndex()
+        pw, dw = config.prefill_weights, config.decode_weights
+        self.prefill_profile: Profile = prefill_profile(pw.prefix, pw.load)
+        self.decode_profile: Profile = decode_profile(dw.kv_free, dw.running, dw.prefix)
+        self._split_of: Sequence[WorkerView] | None = None
+        self._sides: tuple[Sequence[WorkerView], Sequence[WorkerView]] = ((), ())
+
+    def _split(
+        self, workers: Sequence[WorkerView]
+    ) -> tuple[Sequence[WorkerView], Sequence[WorkerView]]:
+        """Workers by side, computed once per snapshot (snapshots are immutable tuples)."""
+        if self._split_of is not workers:
+            self._split_of = workers
+            self._sides = (
+                tuple(w for w in workers if w.role in PREFILL_ROLES),
+                tuple(w for w in workers if w.role in DECODE_ROLES),
+            )
+        return self._sides
+
+    def plan(
+        self,
+        num_prompt_tokens: int,
+        block_hashes: Sequence[int],
+        workers: Sequence[WorkerView],
+        exclude: frozenset[str] = frozenset(),
+        force_local: bool = False,
+    ) -> Plan:
+        cfg = self.config
+        cached = self.index.match(block_hashes)
+        req = RouteRequest(
+            num_prompt_tokens, block_hashes, cfg.block_size, exclude=exclude, cached_blocks=cached
+        )
+        prefill_side, decode_side = self._split(workers)
+        decode = self.decode_profile.choose(req, decode_side)
+        if decode is None:
+            raise NoWorker("no healthy decode worker has room for this prompt")
+        # a prefill worker distinct from the decode worker ('both' workers can be either)
+        prefill = None
+        if not force_local and decode.worker.role is not Role.BOTH:
+            others = RouteRequest(
+                num_prompt_tokens,
+                block_hashes,
+                cfg.block_size,
+                exclude=exclude | {decode.worker.name},
+                cached_blocks=cached,
+            )
+            prefill = self.prefill_profile.choose(others, prefill_side)
+        bs = cfg.block_size
+        d = decode.worker
+        inp = DecisionInput(
+            num_prompt_tokens=num_prompt_tokens,
+            cached_on_decode_tokens=cached.get(d.name, 0) * bs,
+            cached_on_prefill_tokens=cached.get(prefill.worker.name, 0) * bs if prefill else 0,
+            prefill_wait_s=(
+                _tokens_ahead(prefill.worker, num_prompt_tokens) / cfg.cost.prefill_tokens_per_s
+                if prefill
+                else 0.0
+            ),
+            decode_wait_s=d.waiting * num_prompt_tokens / cfg.cost.decode_prefill_tokens_per_s,
+            decode_running=max(d.running, d.assigned),
+            prefill_available=prefill is not None,
+            decode_is_colocated=d.role is Role.BOTH,
+        )
+        decision = decide(inp, cfg.cost)
+        return Plan(
+            decode=decode,
+            prefill=prefill if decision.where is Where.REMOTE else None,
+            decision=decision,
+        )
+
+
+def _tokens_ahead(w: WorkerView, prompt_tokens: int) -> int:
+    return w.tokens_in_flight + (w.waiting + w.assigned) * prompt_tokens
