@@ -1,0 +1,281 @@
+"""The ``grpc`` KV backend: layers streamed over a client-streaming ``PushKV`` call.
+
+Prefill side: ``send_layer`` cuts each layer into spans of about 1 MiB, copies each span's
+K then V into one ``bytes`` (the only copy before the wire) and puts it on a bounded
+queue; gRPC's own thread drains the queue into the stream, so the push overlaps the next
+layer's compute and a slow receiver holds the engine back instead of buffering without
+bound.
+
+Decode side: each message is viewed in place with ``torch.frombuffer`` and copied once,
+by slot index, into the reserved blocks of the pool (:meth:`GrpcReceiver.write`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import warnings
+import zlib
+from collections.abc import Iterator
+
+import grpc
+import torch
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
+
+from splitserve_worker.kv.faults import FaultInjector, InjectedFault
+from splitserve_worker.kv.layout import PoolView, as_bytes, token_chunks
+from splitserve_worker.kv.lease import Lease, LeaseTable
+from splitserve_worker.kv.transport import (
+    BackendContext,
+    SendStats,
+    TransferError,
+    TransferTarget,
+)
+from splitserve_worker.server.wire import CHANNEL_OPTIONS, auth_metadata
+
+QUEUE_DEPTH = 16
+"""Messages (~1 MiB each) buffered between the engine thread and the wire."""
+
+PUT_TIMEOUT_S = 60.0
+"""Longest the engine thread waits for room on the queue before declaring the push dead."""
+
+# Received ``bytes`` are immutable; the tensor view over them is only ever read.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+class _Channels:
+    """One channel per decode address, shared by every push to it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        with self._lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                self._channels[address] = ch
+        return worker_pb2_grpc.WorkerStub(ch)
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+
+class GrpcSender:
+    def __init__(
+        self, target: TransferTarget, ctx: BackendContext, stub: worker_pb2_grpc.WorkerStub
+    ) -> None:
+        self._t = target
+        self._ctx = ctx
+        self._faults = FaultInjector(ctx.faults)
+        self._queue: queue.Queue[worker_pb2.KVLayer | None] = queue.Queue(QUEUE_DEPTH)
+        self._closed = threading.Event()
+        self._error: str | None = None
+        self._reason = "error"
+        self.stats = SendStats()
+        n = ctx.compat.num_layers
+        self._crc = [0] * (2 * n) if ctx.checksums else []
+        timeout = (
+            max(5.0, target.deadline_unix - time.time() + 5.0) if target.deadline_unix else 600
+        )
+        self._future = stub.PushKV.future(
+            self._messages(), metadata=auth_metadata(ctx.token), timeout=timeout
+        )
+
+    def _messages(self) -> Iterator[worker_pb2.KVLayer]:
+        while True:
+            try:
+                item = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                if self._closed.is_set():
+                    return
+                continue
+            if item is None:
+                return
+            yield item
+
+    def _fail(self, message: str, reason: str) -> None:
+        if self._error is None:
+            self._error, self._reason = message, reason
+        self.abort(message)
+
+    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_token: int) -> None:
+        if self._error is not None or self._closed.is_set():
+            return
+        try:
+            self._faults.maybe_fail(f"layer {layer}")
+        except InjectedFault as e:
+            self._fail(str(e), "injected")
+            return
+        if not self.stats.first_send:
+            self.stats.first_send = time.monotonic()
+        n = int(k.shape[0])
+        kb, vb = as_bytes(k), as_bytes(v)
+        if self._crc:
+            self._crc[2 * layer] = zlib.crc32(kb, self._crc[2 * layer])
+            self._crc[2 * layer + 1] = zlib.crc32(vb, self._crc[2 * layer + 1])
+        per_token = len(kb) // n if n else 1
+        starts = token_chunks(n, 2 * per_token)
+        corrupt = self._faults.should_corrupt()
+        for i, s in enumerate(starts):
+            end = starts[i + 1] if i + 1 < len(starts) else n
+            lo, hi = s * per_token, end * per_token
+            data = b"".join((kb[lo:hi], vb[lo:hi]))
+            msg = worker_pb2.KVLayer(
+                request_id=self._t.request_id,
+                lease_id=self._t.lease_id,
+                layer=layer,
+                start_token=start_token + s,
+                num_tokens=end - s,
+                compat_hash=self._t.compat_hash,
+            )
+            if self._ctx.checksums:
+                msg.crc32 = zlib.crc32(data)
+            msg.data = self._faults.corrupt(data) if corrupt and i == 0 else data
+            if not self._put(msg):
+                return
+            self.stats.bytes_sent += len(data)
+        self.stats.layers_sent = max(self.stats.layers_sent, layer + 1)
+
+    def _put(self, msg: worker_pb2.KVLayer) -> bool:
+        deadline = time.monotonic() + PUT_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._future.done():
+                self._fail(f"the decode worker ended the KV stream: {self._describe()}", "stream")
+                return False
+            try:
+                self._queue.put(msg, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        self._fail(f"no room on the KV stream for {PUT_TIMEOUT_S:.0f} s", "timeout")
+        return False
+
+    def _describe(self) -> str:
+        try:
+            exc = self._future.exception(timeout=0)
+        except grpc.FutureCancelledError:
+            return "cancelled"
+        except grpc.FutureTimeoutError:
+            return "still running"
+        if isinstance(exc, grpc.RpcError):
+            return f"{exc.code().name}: {exc.details()}"
+        return repr(exc) if exc else "ended early"
+
+    def finish(self, timeout: float) -> SendStats:
+        if self._error is None:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                try:
+                    self._queue.put(None, timeout=0.05)
+                    break
+                except queue.Full:
+                    if self._future.done():
+                        break
+            try:
+                ack = self._future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except grpc.FutureTimeoutError:
+                self._fail(f"the decode worker did not acknowledge within {timeout} s", "timeout")
+            except grpc.RpcError as err:
+                self._fail(f"KV push failed: {err.code().name}: {err.details()}", "stream")
+            else:
+                self.stats.done = time.monotonic()
+                if ack.layers_received < self._ctx.compat.num_layers:
+                    self._fail(
+                        f"the decode worker holds {ack.layers_received} of "
+                        f"{self._ctx.compat.num_layers} layers after the push",
+                        "incomplete",
+                    )
+        self._closed.set()
+        if self._error is not None:
+            raise TransferError(self._error, self._reason)
+        self.stats.layer_crc32 = list(self._crc)
+        return self.stats
+
+    def abort(self, reason: str) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self._error is None:
+            self._error, self._reason = f"aborted: {reason}", "aborted"
+        self._future.cancel()
+
+
+class GrpcSenderBackend:
+    name = "grpc"
+
+    def __init__(self, ctx: BackendContext) -> None:
+        self._ctx = ctx
+        self._channels = _Channels()
+
+    def open(self, target: TransferTarget) -> GrpcSender:
+        return GrpcSender(target, self._ctx, self._channels.stub(target.decode_address))
+
+    def close(self) -> None:
+        self._channels.close()
+
+
+class GrpcReceiver:
+    """Writes pushed spans into the reserved blocks; layers are complete once all tokens came."""
+
+    name = "grpc"
+
+    def __init__(self, ctx: BackendContext) -> None:
+        assert ctx.pool is not None and ctx.leases is not None
+        self._ctx = ctx
+        self._pool: PoolView = ctx.pool
+        self._leases: LeaseTable = ctx.leases
+        self._cond = threading.Condition()
+
+    def backend_metadata(self) -> bytes:
+        return b""
+
+    def write(self, lease: Lease, msg: worker_pb2.KVLayer) -> None:
+        """Check and place one span. Raises TransferError (reason ``checksum``/``shape``)."""
+        if msg.HasField("crc32") and zlib.crc32(msg.data) != msg.crc32:
+            raise TransferError(
+                f"KV layer {msg.layer} tokens {msg.start_token}+{msg.num_tokens} of request "
+                f"{msg.request_id!r} failed its checksum",
+                "checksum",
+            )
+        n = msg.num_tokens
+        expected = 2 * n * self._pool.token_bytes
+        if len(msg.data) != expected:
+            raise TransferError(
+                f"KV layer {msg.layer}: {len(msg.data)} bytes for {n} tokens, expected "
+                f"{expected} ([2, {n}, {self._pool.kv_heads}, {self._pool.head_dim}] "
+                f"{self._pool.dtype})",
+                "shape",
+            )
+        if n:
+            kv = torch.frombuffer(msg.data, dtype=self._pool.dtype).view(
+                2, n, self._pool.kv_heads, self._pool.head_dim
+            )
+            self._pool.write(msg.layer, lease.block_ids, msg.start_token, kv[0], kv[1])
+        self._leases.record(lease, msg.layer, msg.start_token, n, len(msg.data))
+        if lease.complete:
+            with self._cond:
+                self._cond.notify_all()
+
+    def wait_layers(self, lease: Lease, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: lease.complete, timeout=timeout)
+
+    def forget(self, lease: Lease) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def make_sender_backend(ctx: BackendContext) -> GrpcSenderBackend:
+    return GrpcSenderBackend(ctx)
+
+
+def make_receiver_backend(ctx: BackendContext) -> GrpcReceiver:
+    return GrpcReceiver(ctx)

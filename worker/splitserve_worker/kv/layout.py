@@ -1,0 +1,111 @@
+"""Block arithmetic over the KV pool, pure apart from the tensor copies it is asked for.
+
+The pool is ONE tensor ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``
+(2 = K then V). Token ``t`` of a sequence whose blocks are ``block_ids`` lives in block
+``block_ids[t // block_size]`` at offset ``t % block_size``; every (layer, K|V, block)
+slice is contiguous, so a transport can address blocks directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CHUNK_BYTES = 1 << 20
+"""Target payload of one wire message: ~1 MiB keeps gRPC near its streaming peak."""
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Tokens ``[token, token + count)`` of a sequence, stored in ``block`` from ``offset``."""
+
+    block: int
+    offset: int
+    token: int
+    count: int
+
+
+def block_spans(block_ids: list[int], start: int, count: int, block_size: int) -> list[Span]:
+    """Split tokens ``[start, start + count)`` into per-block spans."""
+    if start < 0 or count < 0:
+        raise ValueError(f"bad token range start={start} count={count}")
+    end = start + count
+    if end > len(block_ids) * block_size:
+        raise ValueError(
+            f"tokens up to {end} do not fit in {len(block_ids)} blocks of {block_size}"
+        )
+    out = []
+    t = start
+    while t < end:
+        idx, off = divmod(t, block_size)
+        n = min(block_size - off, end - t)
+        out.append(Span(block_ids[idx], off, t, n))
+        t += n
+    return out
+
+
+def token_chunks(num_tokens: int, bytes_per_token: int, target: int = CHUNK_BYTES) -> list[int]:
+    """Start offsets splitting ``num_tokens`` into messages of about ``target`` bytes."""
+    per = max(1, target // max(1, bytes_per_token))
+    return list(range(0, num_tokens, per))
+
+
+class PoolView:
+    """Reads and writes one sequence's tokens in the pool, by block id."""
+
+    def __init__(self, pool: torch.Tensor) -> None:
+        if pool.dim() != 6 or pool.shape[1] != 2:
+            raise ValueError(
+                "KV pool must be [num_layers, 2, num_blocks, block_size, kv_heads, head_dim], "
+                f"got {tuple(pool.shape)}"
+            )
+        self.pool = pool
+        self.num_layers, _, self.num_blocks, self.block_size, self.kv_heads, self.head_dim = (
+            int(x) for x in pool.shape
+        )
+        self.dtype = pool.dtype
+        self.token_elems = self.kv_heads * self.head_dim
+        self.token_bytes = self.token_elems * pool.element_size()
+
+    def slots(self, block_ids: list[int], start: int, count: int) -> torch.Tensor:
+        """Flat slot index (block * block_size + offset) of each token in the range."""
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        t = torch.arange(start, start + count, dtype=torch.long)
+        return ids[t // self.block_size] * self.block_size + t % self.block_size
+
+    def write(
+        self, layer: int, block_ids: list[int], start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Copy ``k``/``v`` ``[n, kv_heads, head_dim]`` into the blocks: one copy each."""
+        n = int(k.shape[0])
+        if n == 0:
+            return
+        slots = self.slots(block_ids, start, n).to(self.pool.device)
+        flat = self.pool[layer].view(2, self.num_blocks * self.block_size, self.kv_heads, -1)
+        flat[0].index_copy_(0, slots, k.to(self.pool.device).view(n, self.kv_heads, -1))
+        flat[1].index_copy_(0, slots, v.to(self.pool.device).view(n, self.kv_heads, -1))
+
+    def read(
+        self, layer: int, block_ids: list[int], start: int, count: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens' K and V, gathered (copies) from the blocks."""
+        slots = self.slots(block_ids, start, count).to(self.pool.device)
+        flat = self.pool[layer].view(2, self.num_blocks * self.block_size, self.kv_heads, -1)
+        return flat[0].index_select(0, slots), flat[1].index_select(0, slots)
+
+    def block_address(self, layer: int, kv: int, block: int) -> int:
+        """Byte address of the start of (layer, K|V, block), for zero-copy backends."""
+        return int(self.pool[layer, kv, block].data_ptr())
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a CPU tensor (any dtype); copies to host only from a GPU."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]

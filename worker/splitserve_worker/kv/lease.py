@@ -1,0 +1,164 @@
+"""Reservations on a decode worker, held under a lease, and what has arrived for each.
+
+Pure bookkeeping with an injected clock: the server frees the blocks of what
+:meth:`LeaseTable.expired` and :meth:`LeaseTable.pop` hand back. A reservation moves
+RESERVED -> (layers arrive) -> COMMITTED -> ATTACHED (a Generate stream took it over);
+it leaves the table when its blocks are handed to the engine's running batch, freed, or
+its lease runs out.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class LeaseError(Exception):
+    """No live reservation matches; the message says which and why."""
+
+
+class State(StrEnum):
+    RESERVED = "reserved"
+    COMMITTED = "committed"
+    ATTACHED = "attached"
+
+
+@dataclass
+class Lease:
+    request_id: str
+    lease_id: str
+    block_ids: list[int]
+    num_tokens: int
+    num_layers: int
+    expires_at: float
+    backend: str
+    state: State = State.RESERVED
+    layer_tokens: list[int] = field(default_factory=list)
+    bytes_received: int = 0
+    first_token: int = -1
+    first_logprob: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.layer_tokens:
+            self.layer_tokens = [0] * self.num_layers
+
+    @property
+    def layers_complete(self) -> int:
+        return sum(1 for n in self.layer_tokens if n >= self.num_tokens)
+
+    @property
+    def complete(self) -> bool:
+        return self.layers_complete == self.num_layers
+
+
+class LeaseTable:
+    """Thread-safe: the gRPC handlers, the transports and the reaper all touch it."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._by_request: dict[str, Lease] = {}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_request)
+
+    def add(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        *,
+        num_tokens: int,
+        num_layers: int,
+        ttl: float,
+        backend: str,
+    ) -> Lease:
+        if ttl <= 0:
+            raise ValueError(f"lease ttl must be > 0 seconds, got {ttl}")
+        lease = Lease(
+            request_id=request_id,
+            lease_id=secrets.token_hex(8),
+            block_ids=list(block_ids),
+            num_tokens=num_tokens,
+            num_layers=num_layers,
+            expires_at=self._clock() + ttl,
+            backend=backend,
+        )
+        with self._lock:
+            if request_id in self._by_request:
+                raise LeaseError(f"request {request_id!r} already holds a reservation")
+            self._by_request[request_id] = lease
+        return lease
+
+    def contains(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._by_request
+
+    def get(self, request_id: str, lease_id: str | None = None) -> Lease:
+        with self._lock:
+            lease = self._by_request.get(request_id)
+        if lease is None:
+            raise LeaseError(
+                f"no reservation for request {request_id!r} (never reserved, released, "
+                "or its lease expired): Reserve again"
+            )
+        if lease_id is not None and lease.lease_id != lease_id:
+            raise LeaseError(
+                f"request {request_id!r} holds lease {lease.lease_id}, not {lease_id}: "
+                "the handle is stale; Reserve again"
+            )
+        if self._clock() >= lease.expires_at and lease.state is not State.ATTACHED:
+            raise LeaseError(f"the lease of request {request_id!r} expired: Reserve again")
+        return lease
+
+    def record(self, lease: Lease, layer: int, start: int, count: int, nbytes: int) -> None:
+        """Tokens ``[start, start + count)`` of ``layer`` arrived (in order per layer)."""
+        if not 0 <= layer < lease.num_layers:
+            raise LeaseError(f"layer {layer} out of range 0..{lease.num_layers - 1}")
+        if start < 0 or start + count > lease.num_tokens:
+            raise LeaseError(
+                f"tokens {start}..{start + count} out of range for a "
+                f"{lease.num_tokens}-token reservation"
+            )
+        with self._lock:
+            lease.layer_tokens[layer] = max(lease.layer_tokens[layer], start + count)
+            lease.bytes_received += nbytes
+
+    def mark_all_layers(self, lease: Lease) -> None:
+        with self._lock:
+            lease.layer_tokens = [lease.num_tokens] * lease.num_layers
+
+    def commit(self, lease: Lease, first_token: int, first_logprob: float) -> None:
+        with self._lock:
+            lease.state = State.COMMITTED
+            lease.first_token = first_token
+            lease.first_logprob = first_logprob
+
+    def attach(self, lease: Lease) -> None:
+        with self._lock:
+            lease.state = State.ATTACHED
+
+    def pop(self, request_id: str) -> Lease | None:
+        with self._lock:
+            return self._by_request.pop(request_id, None)
+
+    def expired(self) -> list[Lease]:
+        """Remove and return every lease past its expiry (attached ones live on)."""
+        now = self._clock()
+        with self._lock:
+            gone = [
+                lease
+                for lease in self._by_request.values()
+                if now >= lease.expires_at and lease.state is not State.ATTACHED
+            ]
+            for lease in gone:
+                del self._by_request[lease.request_id]
+        return gone
+
+    def leases(self) -> list[Lease]:
+        with self._lock:
+            return list(self._by_request.values())

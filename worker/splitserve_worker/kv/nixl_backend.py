@@ -1,0 +1,413 @@
+"""The ``nixl`` KV backend: NVIDIA NIXL writes each layer straight into the reserved blocks.
+
+Decode side (:class:`NixlReceiver`): one NIXL agent registers the whole KV pool once
+(``DRAM`` on the CPU, ``VRAM`` on CUDA, so GPU-to-GPU moves never stage through the host).
+Its metadata and the pool's address and shape travel in the Reserve handle's
+``backend_metadata``. The progress thread is off (it busy-waits and would steal a core),
+so a poller thread keeps reading notifications: each written layer notifies
+``request_id/lease_id/layer/end_token``, and that is what marks the layer as arrived.
+
+Prefill side (:class:`NixlSenderBackend`): one agent loads each decode worker's metadata
+once. A request stages each layer into a slot of a small registered ring (one copy on the
+engine thread), and a single transfer thread posts one WRITE per layer (a descriptor per
+(K|V, block) span) and drives it to completion; a slot is reused only once its transfer
+is done, which bounds memory and holds the engine back if the wire is slower.
+
+NIXL is optional: :func:`unavailable_reason` says why it cannot be used here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import secrets
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from splitserve_worker.kv.faults import FaultInjector, InjectedFault
+from splitserve_worker.kv.layout import PoolView, as_bytes, block_spans
+from splitserve_worker.kv.lease import Lease, LeaseError, LeaseTable
+from splitserve_worker.kv.transport import (
+    BackendContext,
+    BackendUnavailable,
+    SendStats,
+    TransferError,
+    TransferTarget,
+)
+
+RING_SLOTS = 4
+"""Layers staged at once per request: enough to keep the wire busy while the engine computes."""
+
+SLOT_WAIT_S = 60.0
+"""Longest the engine thread waits for a free staging slot before declaring the push dead."""
+
+POLL_IDLE_S = 0.002
+POLL_BUSY_S = 0.0002
+
+
+def unavailable_reason() -> str | None:
+    try:
+        import nixl._api  # noqa: F401
+    except Exception as e:  # any import failure (missing wheel, missing libs) means "absent"
+        return f"NIXL is not importable here ({type(e).__name__}: {e}); pip install nixl-cu12"
+    return None
+
+
+def _agent(name: str) -> Any:
+    reason = unavailable_reason()
+    if reason is not None:
+        raise BackendUnavailable(reason)
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+    config = nixl_agent_config(
+        enable_prog_thread=False,
+        backends=["UCX"],
+        sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+    )
+    return nixl_agent(name, config)
+
+
+def _mem_type(t: torch.Tensor) -> str:
+    return "VRAM" if t.is_cuda else "DRAM"
+
+
+def _dev(t: torch.Tensor) -> int:
+    return t.get_device() if t.is_cuda else 0
+
+
+def _notif(request_id: str, lease_id: str, layer: int, end: int) -> bytes:
+    return f"{request_id}\x00{lease_id}\x00{layer}\x00{end}".encode()
+
+
+# ---------------------------------------------------------------- decode side
+
+
+class NixlReceiver:
+    name = "nixl"
+
+    def __init__(self, ctx: BackendContext) -> None:
+        assert ctx.pool is not None and ctx.leases is not None
+        self._pool: PoolView = ctx.pool
+        self._leases: LeaseTable = ctx.leases
+        self._name = f"{ctx.name_hint}-d{os.getpid()}-{secrets.token_hex(4)}"
+        self._agent = _agent(self._name)
+        pool = self._pool.pool
+        self._reg = self._agent.register_memory(pool)
+        header = {
+            "agent": self._name,
+            "base": int(pool.data_ptr()),
+            "dev": _dev(pool),
+            "mem": _mem_type(pool),
+            "shape": list(pool.shape),
+            "elem": pool.element_size(),
+        }
+        self._metadata = json.dumps(header).encode() + b"\n" + self._agent.get_agent_metadata()
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="nixl-notifs", daemon=True)
+        self._thread.start()
+
+    def backend_metadata(self) -> bytes:
+        return self._metadata
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            got = self._agent.get_new_notifs()
+            for msgs in got.values():
+                for m in msgs:
+                    self._arrived(m)
+            if got:
+                with self._cond:
+                    self._cond.notify_all()
+            time.sleep(POLL_BUSY_S if len(self._leases) else POLL_IDLE_S)
+
+    def _arrived(self, msg: bytes) -> None:
+        try:
+            rid, lid, layer, end = msg.decode().split("\x00")
+            lease = self._leases.get(rid, lid)
+            n = int(end)
+            self._leases.record(lease, int(layer), 0, n, 2 * n * self._pool.token_bytes)
+        except (ValueError, LeaseError):
+            return  # a stale or foreign notification: its lease is already gone
+
+    def wait_layers(self, lease: Lease, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: lease.complete, timeout=timeout)
+
+    def forget(self, lease: Lease) -> None:
+        return None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        try:
+            self._agent.deregister_memory(self._reg)
+        except Exception:  # the process is going away; NIXL frees it on exit anyway
+            return
+
+
+# ---------------------------------------------------------------- prefill side
+
+
+@dataclass
+class _Remote:
+    agent: str
+    base: int
+    dev: int
+    mem: str
+    num_blocks: int
+    block_size: int
+    token_bytes: int
+
+    def address(self, layer: int, kv: int, block: int, offset: int) -> int:
+        slot = ((layer * 2 + kv) * self.num_blocks + block) * self.block_size + offset
+        return self.base + slot * self.token_bytes
+
+
+@dataclass
+class _Job:
+    sender: NixlSender
+    layer: int
+    slot: int
+    local_mem: str
+    local: list[tuple[int, int, int]]
+    remote: list[tuple[int, int, int]]
+    notif: bytes
+    handle: Any = None
+    posted: float = field(default=0.0)
+
+
+class _Ring:
+    """Registered staging buffers, reused across requests."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+        self._free: list[torch.Tensor] = []
+        self._regs: list[Any] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.numel() >= nbytes and buf.device == device:
+                    return self._free.pop(i)
+        buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device)
+        self._regs.append(self._agent.register_memory(buf))
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+
+class NixlSenderBackend:
+    name = "nixl"
+
+    def __init__(self, ctx: BackendContext) -> None:
+        self._ctx = ctx
+        self._name = f"{ctx.name_hint}-p{os.getpid()}-{secrets.token_hex(4)}"
+        self._agent = _agent(self._name)
+        self._ring = _Ring(self._agent)
+        self._remotes: dict[str, _Remote] = {}
+        self._jobs: queue.Queue[_Job] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nixl-push", daemon=True)
+        self._thread.start()
+
+    def remote(self, metadata: bytes) -> _Remote:
+        header_raw, _, md = metadata.partition(b"\n")
+        try:
+            h = json.loads(header_raw)
+        except ValueError:
+            raise TransferError("the handle's NIXL metadata is malformed", "handle") from None
+        r = self._remotes.get(h["agent"])
+        if r is None:
+            name = self._agent.add_remote_agent(md)
+            name = name.decode() if isinstance(name, bytes) else name
+            _, _, nb, bs, heads, dim = h["shape"]
+            r = _Remote(name, h["base"], h["dev"], h["mem"], nb, bs, heads * dim * h["elem"])
+            self._remotes[h["agent"]] = r
+        return r
+
+    def open(self, target: TransferTarget) -> NixlSender:
+        if not target.backend_metadata:
+            raise TransferError("the handle carries no NIXL metadata: Reserve with kv_backend=nixl")
+        return NixlSender(self, target, self.remote(target.backend_metadata))
+
+    def submit(self, job: _Job) -> None:
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        inflight: list[_Job] = []
+        while not self._stop.is_set():
+            try:
+                while True:
+                    inflight.append(self._post(self._jobs.get_nowait()))
+            except queue.Empty:
+                pass
+            still = []
+            for job in inflight:
+                state = "ERR" if job.handle is None else self._agent.check_xfer_state(job.handle)
+                if state == "PROC":
+                    still.append(job)
+                    continue
+                if job.handle is not None:
+                    self._agent.release_xfer_handle(job.handle)
+                job.sender.layer_done(job, ok=state == "DONE")
+            inflight = still
+            if inflight:
+                time.sleep(POLL_BUSY_S)
+            else:
+                with contextlib.suppress(queue.Empty):
+                    inflight.append(self._post(self._jobs.get(timeout=0.05)))
+
+    def _post(self, job: _Job) -> _Job:
+        if job.sender.failed:
+            job.handle = None
+            return job
+        try:
+            ls = self._agent.get_xfer_descs(job.local, job.local_mem)
+            rs = self._agent.get_xfer_descs(job.remote, job.sender.remote.mem)
+            job.handle = self._agent.initialize_xfer(
+                "WRITE", ls, rs, job.sender.remote.agent, job.notif
+            )
+            if self._agent.transfer(job.handle) == "ERR":
+                self._agent.release_xfer_handle(job.handle)
+                job.handle = None
+        except Exception as e:  # NIXL raises its own error types for a dead peer
+            job.sender.fail(f"NIXL write of layer {job.layer} failed: {e}", "nixl")
+            job.handle = None
+        return job
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+class NixlSender:
+    def __init__(self, backend: NixlSenderBackend, target: TransferTarget, remote: _Remote):
+        self._b = backend
+        self._t = target
+        self.remote = remote
+        self._ctx = backend._ctx
+        self._faults = FaultInjector(self._ctx.faults)
+        self._slot_bytes = 2 * target.num_tokens * remote.token_bytes
+        self._buf: torch.Tensor | None = None
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(RING_SLOTS):
+            self._free.put(i)
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._idle = threading.Condition(self._lock)
+        self._error: str | None = None
+        self._reason = "error"
+        self._closed = False
+        n = self._ctx.compat.num_layers
+        self._crc = [0] * (2 * n) if self._ctx.checksums else []
+        self._layers_done: set[int] = set()
+        self.stats = SendStats()
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def fail(self, message: str, reason: str) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error, self._reason = message, reason
+            self._idle.notify_all()
+
+    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_token: int) -> None:
+        if self._error is not None or self._closed:
+            return
+        try:
+            self._faults.maybe_fail(f"layer {layer}")
+        except InjectedFault as e:
+            self.fail(str(e), "injected")
+            return
+        if not self.stats.first_send:
+            self.stats.first_send = time.monotonic()
+        try:
+            slot = self._free.get(timeout=SLOT_WAIT_S)
+        except queue.Empty:
+            self.fail(f"no staging slot freed for {SLOT_WAIT_S:.0f} s", "timeout")
+            return
+        if self._buf is None:
+            self._buf = self._b._ring.take(RING_SLOTS * self._slot_bytes, k.device)
+        n, tb = int(k.shape[0]), self.remote.token_bytes
+        base = slot * self._slot_bytes
+        stage = self._buf[base : base + 2 * n * tb]
+        stage[: n * tb].view(k.dtype).copy_(k.reshape(-1))
+        stage[n * tb :].view(v.dtype).copy_(v.reshape(-1))
+        if self._crc:
+            self._crc[2 * layer] = zlib.crc32(as_bytes(k), self._crc[2 * layer])
+            self._crc[2 * layer + 1] = zlib.crc32(as_bytes(v), self._crc[2 * layer + 1])
+        if self._faults.should_corrupt():
+            stage[0] ^= 0xFF
+        addr = int(self._buf.data_ptr()) + base
+        local_dev = _dev(self._buf)
+        local, remote = [], []
+        for kv in (0, 1):
+            for s in block_spans(list(self._t.block_ids), start_token, n, self.remote.block_size):
+                nbytes = s.count * tb
+                off = kv * n * tb + (s.token - start_token) * tb
+                local.append((addr + off, nbytes, local_dev))
+                dst = self.remote.address(layer, kv, s.block, s.offset)
+                remote.append((dst, nbytes, self.remote.dev))
+        with self._lock:
+            self._pending += 1
+        notif = _notif(self._t.request_id, self._t.lease_id, layer, start_token + n)
+        self._b.submit(_Job(self, layer, slot, _mem_type(self._buf), local, remote, notif))
+        self.stats.bytes_sent += 2 * n * tb
+        self.stats.layers_sent = max(self.stats.layers_sent, layer + 1)
+
+    def layer_done(self, job: _Job, ok: bool) -> None:
+        if not ok and self._error is None:
+            self.fail(f"NIXL write of layer {job.layer} did not complete", "nixl")
+        self._free.put(job.slot)
+        with self._lock:
+            self._pending -= 1
+            self._idle.notify_all()
+
+    def finish(self, timeout: float) -> SendStats:
+        with self._lock:
+            done = self._idle.wait_for(
+                lambda: self._pending == 0 or self._error is not None, timeout=timeout
+            )
+            if not done and self._error is None:
+                self._error, self._reason = f"NIXL writes not done after {timeout} s", "timeout"
+        self.stats.done = time.monotonic()
+        self._release()
+        if self._error is not None:
+            raise TransferError(self._error, self._reason)
+        self.stats.layer_crc32 = list(self._crc)
+        return self.stats
+
+    def _release(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = self._pending
+        if pending == 0 and self._buf is not None:
+            self._b._ring.give(self._buf)
+        # else: a write is still in flight into this buffer; it is not reused.
+
+    def abort(self, reason: str) -> None:
+        self.fail(f"aborted: {reason}", "aborted")
+        self._release()
+
+
+def make_sender_backend(ctx: BackendContext) -> NixlSenderBackend:
+    return NixlSenderBackend(ctx)
+
+
+def make_receiver_backend(ctx: BackendContext) -> NixlReceiver:
+    return NixlReceiver(ctx)

@@ -1,0 +1,183 @@
+"""The KV transport interface and the registry that picks a backend by name.
+
+A backend has two roles, each its own small interface:
+
+- prefill side, :class:`SenderBackend`: ``open(target)`` gives a :class:`KVSender` for one
+  request. The engine's layer-wise prefill calls ``send_layer`` as soon as each layer is
+  computed (on the engine thread: it must copy what it keeps and return quickly; the push
+  itself runs on another thread so it overlaps the next layer's compute); ``finish``
+  waits until the decode side holds every layer; ``abort`` stops early.
+- decode side, :class:`ReceiverBackend`: what a ``Reserve`` answer carries for this backend
+  (``backend_metadata``), and ``wait_layers`` at ``Commit`` until every layer of a lease
+  has landed in its reserved blocks.
+
+Backends are registered by name with the module that builds them and imported only when
+first asked for, so a worker that never uses NIXL never imports it. Registering a name
+twice is refused.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from splitserve_worker.kv.compat import Compat
+from splitserve_worker.kv.faults import FaultConfig
+from splitserve_worker.kv.layout import PoolView
+from splitserve_worker.kv.lease import Lease, LeaseTable
+
+
+class TransferError(Exception):
+    """A KV transfer failed; ``reason`` is a short label for metrics."""
+
+    def __init__(self, message: str, reason: str = "error") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class BackendUnavailable(Exception):
+    """The backend's dependencies are missing here; the message says how to install them."""
+
+
+@dataclass(frozen=True)
+class TransferTarget:
+    """The prefill side's view of a decode worker's reservation (from the handle)."""
+
+    request_id: str
+    lease_id: str
+    decode_address: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    compat_hash: str
+    backend_metadata: bytes = b""
+    deadline_unix: float = 0.0
+
+
+@dataclass
+class SendStats:
+    layers_sent: int = 0
+    bytes_sent: int = 0
+    first_send: float = 0.0
+    """``time.monotonic()`` when the first layer was handed over."""
+    done: float = 0.0
+    """``time.monotonic()`` when the decode side acknowledged the last layer."""
+    layer_crc32: list[int] = field(default_factory=list)
+    """K then V crc32 per layer (empty when checksums are off)."""
+
+
+@runtime_checkable
+class KVSender(Protocol):
+    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_token: int) -> None:
+        """Hand over tokens ``[start_token, start_token + len(k))`` of ``layer``.
+
+        Called on the engine thread, once per layer span, layers in order. Copies what it
+        keeps before returning. After a failure it does nothing (``finish`` raises)."""
+        ...
+
+    def finish(self, timeout: float) -> SendStats:
+        """Block until the decode side holds every layer sent; raise TransferError if not."""
+        ...
+
+    def abort(self, reason: str) -> None:
+        """Stop the push; safe to call more than once and after ``finish``."""
+        ...
+
+
+class SenderBackend(Protocol):
+    name: str
+
+    def open(self, target: TransferTarget) -> KVSender: ...
+
+    def close(self) -> None: ...
+
+
+class ReceiverBackend(Protocol):
+    name: str
+
+    def backend_metadata(self) -> bytes:
+        """Carried in the Reserve handle; what a sender needs to reach the pool."""
+        ...
+
+    def wait_layers(self, lease: Lease, timeout: float) -> bool:
+        """Block until every layer of ``lease`` has landed; False on timeout."""
+        ...
+
+    def forget(self, lease: Lease) -> None:
+        """The lease is gone (committed, released or expired): drop what refers to it."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class BackendContext:
+    """What a backend is built from, on either side."""
+
+    compat: Compat
+    token: str = ""
+    checksums: bool = False
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    pool: PoolView | None = None
+    leases: LeaseTable | None = None
+    name_hint: str = "splitserve"
+    """A stable, unique-per-process name (NIXL agent names are built from it)."""
+
+
+@dataclass(frozen=True)
+class _Entry:
+    module: str
+    sender_factory: str = "make_sender_backend"
+    receiver_factory: str = "make_receiver_backend"
+
+
+_REGISTRY: dict[str, _Entry] = {}
+
+
+def register_backend(name: str, module: str) -> None:
+    """Make backend ``name`` available, built by ``module``'s factories; no duplicates."""
+    if name in _REGISTRY:
+        raise ValueError(f"KV backend {name!r} is already registered (by {_REGISTRY[name].module})")
+    _REGISTRY[name] = _Entry(module)
+
+
+def backend_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _factory(name: str, attr: str) -> Callable[[BackendContext], object]:
+    entry = _REGISTRY.get(name)
+    if entry is None:
+        raise ValueError(f"unknown KV backend {name!r}: choose one of {backend_names()}")
+    module = importlib.import_module(entry.module)
+    fn: Callable[[BackendContext], object] = getattr(module, getattr(entry, attr))
+    return fn
+
+
+def create_sender_backend(name: str, ctx: BackendContext) -> SenderBackend:
+    backend = _factory(name, "sender_factory")(ctx)
+    return backend  # type: ignore[return-value]
+
+
+def create_receiver_backend(name: str, ctx: BackendContext) -> ReceiverBackend:
+    if ctx.pool is None or ctx.leases is None:
+        raise ValueError("a receiving KV backend needs the pool and the lease table")
+    backend = _factory(name, "receiver_factory")(ctx)
+    return backend  # type: ignore[return-value]
+
+
+def unavailable_reason(name: str) -> str | None:
+    """None if backend ``name`` can be used here, else why not."""
+    try:
+        module = importlib.import_module(_REGISTRY[name].module)
+    except KeyError:
+        return f"unknown KV backend {name!r}: choose one of {backend_names()}"
+    check = getattr(module, "unavailable_reason", None)
+    return check() if check is not None else None
+
+
+register_backend("grpc", "splitserve_worker.kv.grpc_backend")
+register_backend("nixl", "splitserve_worker.kv.nixl_backend")

@@ -1,0 +1,1 @@
+"""The worker's gRPC server (contract ``splitserve.v1``) and the async client for it."""

@@ -1,0 +1,29 @@
+"""Channel options and call metadata shared by every splitserve gRPC client and server."""
+
+from __future__ import annotations
+
+MAX_MESSAGE_BYTES = 64 << 20
+"""Both directions: KV spans are ~1 MiB, but a single large layer must never be refused."""
+
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.so_reuseport", 0),
+]
+
+AUTH_HEADER = "authorization"
+
+
+def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    return ((AUTH_HEADER, f"Bearer {token}"),) if token else ()
