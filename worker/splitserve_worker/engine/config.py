@@ -1,0 +1,100 @@
+"""Engine settings, checked when constructed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass
+class EngineConfig:
+    """How one engine runs. Every field is checked in ``__post_init__``."""
+
+    block_size: int = 16
+    """Tokens per KV block. 16 keeps internal fragmentation under one block per sequence
+    while block tables stay short."""
+
+    kv_cache_memory: int | None = None
+    """Bytes for the KV pool. ``None``: a fraction of free GPU memory on CUDA
+    (``gpu_memory_fraction``), or ``DEFAULT_CPU_KV_BYTES`` on the CPU."""
+
+    gpu_memory_fraction: float = 0.5
+    """Fraction of the GPU memory free after loading the weights that the KV pool takes
+    when ``kv_cache_memory`` is not given."""
+
+    num_blocks: int | None = None
+    """Exact number of KV blocks; overrides the memory budget (handy in tests)."""
+
+    max_num_seqs: int = 64
+    """Most sequences in the running batch at once."""
+
+    max_batch_tokens: int = 2048
+    """Most tokens (decode and prefill together) computed in one step."""
+
+    prefill_chunk_tokens: int = 512
+    """Prefill tokens per step while sequences are decoding: long prompts are cut into
+    chunks of this size so decode steps keep flowing between them."""
+
+    enable_prefix_cache: bool = True
+    """Reuse KV blocks of identical prompt prefixes (chained block hashes, LRU eviction)."""
+
+    max_model_len: int | None = None
+    """Longest sequence (prompt plus output) in tokens; ``None``: the model's limit."""
+
+    dtype: str = "auto"
+    """Weights and KV dtype: ``auto`` (the checkpoint's), ``float32``, ``bfloat16``, ``float16``."""
+
+    device: str | None = None
+    """``cuda``, ``cpu`` or ``None`` (CUDA when present)."""
+
+    num_threads: int | None = None
+    """CPU threads for torch (``torch.set_num_threads``); ``None`` leaves torch's default."""
+
+    role: str = "both"
+    """``both``, ``prefill`` or ``decode``: the label on this engine's metrics."""
+
+    max_events: int = 100_000
+    """Prefix-cache events kept until drained; the oldest are dropped past this."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(
+                f"kv_cache_memory must be a positive byte count, got {self.kv_cache_memory}"
+            )
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(
+                f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}"
+            )
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_batch_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_batch_tokens ({self.max_batch_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running sequence can decode in one step"
+            )
+        if not 1 <= self.prefill_chunk_tokens <= self.max_batch_tokens:
+            raise ValueError(
+                f"prefill_chunk_tokens must be in [1, max_batch_tokens={self.max_batch_tokens}], "
+                f"got {self.prefill_chunk_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.max_events < 1:
+            raise ValueError(f"max_events must be >= 1, got {self.max_events}")
+
+
+DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
+"""KV pool size on the CPU when no budget is given: 512 MiB."""

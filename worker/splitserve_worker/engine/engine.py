@@ -1,0 +1,552 @@
+"""The synchronous engine: one thread calls ``add_request``/``step``/``abort`` and the
+remote-KV calls; :mod:`.async_engine` wraps it for asyncio servers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from splitserve_worker.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from splitserve_worker.engine.errors import NoCapacity, RequestError, UnknownRequest
+from splitserve_worker.engine.kv_cache import KV_LAYOUT, KVCache, bytes_per_block
+from splitserve_worker.engine.metrics import EngineMetrics
+from splitserve_worker.engine.model_runner import Chunk, ModelRunner, model_shape
+from splitserve_worker.engine.prefix_cache import KVCacheEvent, block_hashes
+from splitserve_worker.engine.sampling import SampleRow, SamplingParams, sample
+from splitserve_worker.engine.scheduler import Scheduler, StepPlan, blocks_for
+from splitserve_worker.engine.sequence import (
+    FinishReason,
+    PrefillResult,
+    RequestOutput,
+    SeqStatus,
+    Sequence,
+)
+from splitserve_worker.engine.stopping import StopChecker
+from splitserve_worker.metrics.registry import Metrics
+from splitserve_worker.models import LoadedModel, torch_dtype
+
+LayerCallback = Callable[[int, torch.Tensor, torch.Tensor, int], None]
+"""``on_layer(layer_idx, k, v, start_token)``: K/V ``[n, kv_heads, head_dim]`` of prompt
+positions ``[start_token, start_token + n)`` of one layer."""
+
+FORWARD_ERRORS = (RuntimeError, ValueError, IndexError)
+"""Errors of a model forward that fail the requests in that batch, not the engine."""
+
+
+@dataclass
+class _Reservation:
+    blocks: list[int]
+    num_tokens: int
+
+
+class Engine:
+    """Paged-KV serving engine over a Llama-family transformers model."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        model = loaded.model
+        dtype = loaded.dtype if config.dtype == "auto" else torch_dtype(config.dtype)
+        device = torch.device(config.device or loaded.device)
+        if dtype != loaded.dtype or device != torch.device(loaded.device):
+            model = model.to(device=device, dtype=dtype)
+        model.eval()
+        self.model = model
+        self.loaded = loaded
+        self.dtype = dtype
+        self.device = device
+        self.shape = shape = model_shape(model.config)
+        self.block_size = config.block_size
+        per_block = bytes_per_block(
+            shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, dtype
+        )
+        num_blocks = config.num_blocks or max(1, self._kv_budget(device) // per_block)
+        self.kv = KVCache(
+            num_layers=shape.num_layers,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            dtype=dtype,
+            device=device,
+            max_events=config.max_events,
+        )
+        self.runner = ModelRunner(model, self.kv)
+        self.max_model_len = self._max_model_len(model.config)
+        self.stopper = StopChecker(_eos_ids(model), loaded.tokenizer, self.max_model_len)
+        self.scheduler = Scheduler(config, self.kv.blocks)
+        self._seqs: dict[str, Sequence] = {}
+        self._reserved: dict[str, _Reservation] = {}
+        self._pending: list[RequestOutput] = []
+        self._arrivals = 0
+        self.metrics = EngineMetrics(metrics, config.role) if metrics is not None else None
+        self._update_gauges()
+
+    # ---- sizing ----
+    def _kv_budget(self, device: torch.device) -> int:
+        if self.config.kv_cache_memory is not None:
+            return self.config.kv_cache_memory
+        if device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            return int(free * self.config.gpu_memory_fraction)
+        return DEFAULT_CPU_KV_BYTES
+
+    def _max_model_len(self, cfg: Any) -> int:
+        limit = self.shape.max_position
+        window = getattr(cfg, "sliding_window", None)
+        layer_types = getattr(cfg, "layer_types", None) or []
+        uses_window = window is not None and (
+            getattr(cfg, "use_sliding_window", True) or "sliding_attention" in layer_types
+        )
+        if uses_window and window:
+            # attention here is always full: keep sequences within the window so it is exact
+            limit = min(limit, int(window))
+        if self.config.max_model_len is not None:
+            limit = min(limit, self.config.max_model_len)
+        return limit
+
+    # ---- identity ----
+    def compat_info(self) -> dict[str, Any]:
+        cfg = self.model.config
+        return {
+            "model": self.loaded.name,
+            "architecture": (getattr(cfg, "architectures", None) or [type(self.model).__name__])[0],
+            "vocab_size": self.shape.vocab_size,
+            "hidden_size": self.shape.hidden_size,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "block_size": self.block_size,
+            "num_layers": self.shape.num_layers,
+            "kv_heads": self.shape.num_kv_heads,
+            "head_dim": self.shape.head_dim,
+            "kv_layout": KV_LAYOUT,
+        }
+
+    def compat_hash(self) -> str:
+        canon = json.dumps(self.compat_info(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()
+
+    def block_hashes(self, token_ids: Iterable[int]) -> list[int]:
+        """Chained hashes of the full blocks of a prompt, as this engine caches them."""
+        return block_hashes(list(token_ids), self.block_size)
+
+    def drain_events(self) -> list[KVCacheEvent]:
+        return self.kv.blocks.drain_events()
+
+    # ---- state ----
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
+
+    def has_work(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_work()
+
+    def tokens_in_flight(self) -> int:
+        return sum(len(s.tokens) for s in self._seqs.values())
+
+    # ---- requests ----
+    def _check_request(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> None:
+        if request_id in self._seqs or request_id in self._reserved:
+            raise RequestError(f"request id {request_id!r} is already in use on this engine")
+        if not prompt:
+            raise RequestError("the prompt is empty: send at least one token")
+        sampling.validate()
+        bad = [t for t in prompt if not 0 <= t < self.shape.vocab_size]
+        if bad:
+            raise RequestError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary "
+                f"[0, {self.shape.vocab_size})"
+            )
+        total = len(prompt) + sampling.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({sampling.max_tokens}) is "
+                f"{total} tokens, over this model's limit of {self.max_model_len}: shorten the "
+                f"prompt or lower max_tokens"
+            )
+        if blocks_for(total, self.block_size) > self.kv.total_blocks:
+            raise RequestError(
+                f"prompt plus max_tokens ({total} tokens) needs "
+                f"{blocks_for(total, self.block_size)} KV blocks, more than this worker's whole "
+                f"cache ({self.kv.total_blocks} blocks of {self.block_size}): shorten the request "
+                f"or give the worker more KV memory"
+            )
+
+    def _new_seq(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> Sequence:
+        self._arrivals += 1
+        return Sequence(
+            request_id=request_id,
+            prompt_len=len(prompt),
+            tokens=list(prompt),
+            params=sampling,
+            generator=sampling.make_generator(self.device),
+            arrival=self._arrivals,
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Iterable[int],
+        sampling: SamplingParams | None = None,
+    ) -> None:
+        """Queue a request to be prefilled and decoded here. Raises :class:`RequestError`."""
+        prompt = [int(t) for t in prompt_token_ids]
+        sampling = sampling or SamplingParams()
+        self._check_request(request_id, prompt, sampling)
+        seq = self._new_seq(request_id, prompt, sampling)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        self._update_gauges()
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free everything it holds; False if it is not here."""
+        if request_id in self._reserved:
+            self.release(request_id)
+            return True
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, FinishReason.ABORT)
+        self._update_gauges()
+        return True
+
+    # ---- the step ----
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration: at most one forward; returns what it produced."""
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        self._record_step(plan)
+        if plan.scheduled:
+            outputs.extend(self._run(plan))
+        self._update_gauges()
+        return outputs
+
+    def _run(self, plan: StepPlan) -> list[RequestOutput]:
+        chunks = [
+            Chunk(
+                block_table=s.seq.block_table,
+                start=s.seq.num_computed,
+                token_ids=s.seq.tokens[s.seq.num_computed : s.seq.num_computed + s.num_tokens],
+                need_logits=s.completes,
+            )
+            for s in plan.scheduled
+        ]
+        try:
+            logits = self.runner.forward(chunks)
+        except FORWARD_ERRORS as e:
+            out = []
+            for s in plan.scheduled:
+                out.append(
+                    self._finish(s.seq, FinishReason.ERROR, error=f"model forward failed: {e}")
+                )
+            return out
+        sampling_seqs = [s.seq for s in plan.scheduled if s.completes]
+        for s in plan.scheduled:
+            self.scheduler.commit(s.seq, s.num_tokens, cache=self.config.enable_prefix_cache)
+        if not sampling_seqs:
+            return []
+        rows = [SampleRow(q.params, q.generator, self.stopper.suppressed(q)) for q in sampling_seqs]
+        tokens, logprobs = sample(logits, rows)
+        outputs = []
+        for seq, tok, lp in zip(sampling_seqs, tokens, logprobs, strict=True):
+            outputs.append(self._append(seq, tok, lp))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, logprob: float | None) -> RequestOutput:
+        seq.tokens.append(token)
+        if self.metrics is not None:
+            self.metrics.decoded(1)
+        reason, stop_reason = self.stopper.check(seq)
+        if reason is not None:
+            out = self._finish(seq, reason, stop_reason=stop_reason, emit=False)
+            out.new_token_ids = [token]
+            out.new_logprobs = [logprob]
+            return out
+        return self._output(seq, [token], [logprob], finished=False)
+
+    def _output(
+        self,
+        seq: Sequence,
+        tokens: list[int],
+        logprobs: list[float | None],
+        *,
+        finished: bool,
+        reason: FinishReason | None = None,
+        error: str | None = None,
+        stop_reason: int | str | None = None,
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=tokens,
+            new_logprobs=logprobs,
+            finished=finished,
+            finish_reason=reason.value if reason is not None else None,
+            error=error,
+            num_prompt_tokens=seq.prompt_len,
+            num_cached_tokens=seq.num_cached_tokens,
+            stop_reason=stop_reason,
+        )
+
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        *,
+        error: str | None = None,
+        stop_reason: int | str | None = None,
+        emit: bool = True,
+    ) -> RequestOutput:
+        """Remove a sequence and free its blocks; its final output goes out now or next step."""
+        if seq.status is not SeqStatus.FINISHED:
+            self.scheduler.remove(seq)
+        self._seqs.pop(seq.request_id, None)
+        out = self._output(
+            seq, [], [], finished=True, reason=reason, error=error, stop_reason=stop_reason
+        )
+        if emit and reason is FinishReason.ABORT:
+            self._pending.append(out)
+        return out
+
+    # ---- layer-wise prefill (prefill role) ----
+    def prefill_export(
+        self,
+        request_id: str,
+        prompt_token_ids: Iterable[int],
+        sampling: SamplingParams | None,
+        on_layer: LayerCallback,
+    ) -> PrefillResult:
+        """Compute a prompt here, handing each layer's K/V to ``on_layer`` as soon as that
+        layer is done, and sample the first token.
+
+        ``on_layer`` is called for every prompt token of every layer, in layer order within
+        each chunk of at most ``max_batch_tokens`` tokens (one chunk for most prompts); a
+        cached prefix is handed over with the first chunk (``start_token`` 0). The blocks
+        are freed afterwards; full prompt blocks stay in the prefix cache. Raises
+        :class:`NoCapacity` when the pool cannot hold the prompt now, and
+        :class:`RequestError` for a bad request. Runs on the engine's thread.
+        """
+        prompt = [int(t) for t in prompt_token_ids]
+        sampling = sampling or SamplingParams()
+        check = SamplingParams(**{**sampling.__dict__, "max_tokens": 1, "min_tokens": 0})
+        self._check_request(request_id, prompt, check)
+        seq = self._new_seq(request_id, prompt, sampling)
+        bs = self.block_size
+        hit: list[int] = []
+        blocks = self.kv.blocks
+        if self.config.enable_prefix_cache:
+            hit = blocks.lookup(seq.full_block_hashes(bs)[: (len(prompt) - 1) // bs])
+        need = blocks_for(len(prompt), bs) - len(hit)
+        reclaimed = sum(1 for b in hit if blocks.refcount(b) == 0)
+        if need + reclaimed > blocks.free_blocks:
+            raise NoCapacity(
+                f"prefill of {len(prompt)} tokens needs {need + reclaimed} free KV blocks, "
+                f"{blocks.free_blocks} free",
+                needed=need + reclaimed,
+                free=blocks.free_blocks,
+            )
+        blocks.touch(hit)
+        seq.block_table = [*hit, *blocks.allocate(need)]
+        seq.num_computed = seq.num_registered = len(hit)
+        seq.num_computed *= bs
+        seq.num_cached_tokens = seq.num_computed
+        seq.status = SeqStatus.RUNNING
+        if self.metrics is not None:
+            self.metrics.prefix(len(prompt), seq.num_cached_tokens)
+        try:
+            logits = self._export_forward(seq, on_layer)
+            self.scheduler.commit(seq, 0, cache=self.config.enable_prefix_cache)
+            rows = [SampleRow(sampling, seq.generator, self.stopper.suppressed(seq))]
+            tokens, logprobs = sample(logits, rows)
+        finally:
+            self.scheduler.free_blocks_of(seq)
+            seq.status = SeqStatus.FINISHED
+            self._update_gauges()
+        return PrefillResult(tokens[0], logprobs[0], seq.num_cached_tokens, len(prompt))
+
+    def _export_forward(self, seq: Sequence, on_layer: LayerCallback) -> torch.Tensor:
+        total = len(seq.tokens)
+        step = self.config.max_batch_tokens
+        logits = torch.empty(0)
+        first = True
+        while seq.num_computed < total:
+            start = seq.num_computed
+            end = min(total, start + step)
+            lo = 0 if first else start
+            slots = self.kv.slots(seq.block_table, lo, end)
+
+            def hand_over(layer: int, slots: torch.Tensor = slots, lo: int = lo) -> None:
+                k, v = self.kv.read(layer, slots)
+                on_layer(layer, k, v, lo)
+
+            chunk = Chunk(seq.block_table, start, seq.tokens[start:end], need_logits=end == total)
+            logits = self.runner.forward([chunk], after_layer=hand_over)
+            self.scheduler.commit(seq, end - start, cache=self.config.enable_prefix_cache)
+            if self.metrics is not None:
+                self.metrics.prefilled(end - start)
+            first = False
+        return logits
+
+    # ---- remote KV admission (decode role) ----
+    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int]:
+        """Hold blocks for a prompt whose K/V will be written from outside.
+
+        Returns the block ids (in order: position ``p`` lives in block ``ids[p // block_size]``
+        at offset ``p % block_size``). Raises :class:`NoCapacity` when blocks or batch slots
+        are short, :class:`RequestError` for a bad size or a duplicate id.
+        """
+        if request_id in self._seqs or request_id in self._reserved:
+            raise RequestError(f"request id {request_id!r} is already in use on this engine")
+        if not 0 < num_prompt_tokens < self.max_model_len:
+            raise RequestError(
+                f"num_prompt_tokens must be in [1, {self.max_model_len - 1}], "
+                f"got {num_prompt_tokens}"
+            )
+        if self.num_running + self.num_waiting + self.num_reserved >= self.config.max_num_seqs:
+            raise NoCapacity(
+                f"decode batch full ({self.config.max_num_seqs} sequences)",
+                free=self.kv.free_blocks,
+            )
+        ids = self.kv.blocks.allocate(blocks_for(num_prompt_tokens, self.block_size))
+        self._reserved[request_id] = _Reservation(ids, num_prompt_tokens)
+        self._update_gauges()
+        return list(ids)
+
+    def reserved_blocks(self, request_id: str) -> list[int]:
+        r = self._reserved.get(request_id)
+        if r is None:
+            raise UnknownRequest(request_id)
+        return list(r.blocks)
+
+    def write_layer(
+        self, request_id: str, layer: int, start_token: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Copy one layer's K/V ``[n, kv_heads, head_dim]`` for prompt positions
+        ``[start_token, start_token + n)`` into a reservation's blocks."""
+        r = self._reserved.get(request_id)
+        if r is None:
+            raise UnknownRequest(request_id)
+        n = int(k.shape[0])
+        if start_token < 0 or start_token + n > r.num_tokens:
+            raise RequestError(
+                f"K/V for positions [{start_token}, {start_token + n}) is outside the reserved "
+                f"{r.num_tokens} tokens"
+            )
+        slots = self.kv.slots(r.blocks, start_token, start_token + n)
+        self.kv.write(layer, slots, k.to(self.device), v.to(self.device))
+
+    def admit_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: Iterable[int],
+        first_token: int,
+        first_logprob: float | None,
+        sampling: SamplingParams | None = None,
+    ) -> None:
+        """Start decoding a reserved request whose prompt K/V is in its blocks.
+
+        ``first_token`` was already sent to the client by the prefill side; the next
+        outputs of this request carry the tokens after it.
+        """
+        r = self._reserved.get(request_id)
+        if r is None:
+            raise UnknownRequest(request_id)
+        prompt = [int(t) for t in prompt_token_ids]
+        sampling = sampling or SamplingParams()
+        if len(prompt) != r.num_tokens:
+            raise RequestError(f"prompt has {len(prompt)} tokens but {r.num_tokens} were reserved")
+        del self._reserved[request_id]
+        try:
+            self._check_request(request_id, prompt, sampling)
+        except RequestError:
+            self.kv.blocks.free(reversed(r.blocks))
+            self._update_gauges()
+            raise
+        seq = self._new_seq(request_id, prompt, sampling)
+        if seq.generator is not None:
+            # the prefill side drew the first token from the same seed: skip that draw
+            torch.empty(self.shape.vocab_size).exponential_(1.0, generator=seq.generator)
+        seq.block_table = list(r.blocks)
+        self._seqs[request_id] = seq
+        self.scheduler.add_running(seq)
+        self.scheduler.commit(seq, len(prompt), cache=self.config.enable_prefix_cache)
+        seq.tokens.append(int(first_token))
+        reason, stop_reason = self.stopper.check(seq)
+        if reason is not None:
+            out = self._finish(seq, reason, stop_reason=stop_reason, emit=False)
+            self._pending.append(out)
+        self._update_gauges()
+
+    def release(self, request_id: str) -> int:
+        """Free what a request holds (reservation or sequence); returns blocks freed.
+
+        Idempotent: 0 for an unknown or already released request.
+        """
+        r = self._reserved.pop(request_id, None)
+        if r is not None:
+            self.kv.blocks.free(reversed(r.blocks))
+            self._update_gauges()
+            return len(r.blocks)
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return 0
+        n = len(seq.block_table)
+        self._finish(seq, FinishReason.ABORT)
+        self._update_gauges()
+        return n
+
+    # ---- metrics ----
+    def _record_step(self, plan: StepPlan) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.prefix(plan.prefix_queried, plan.prefix_hit)
+        self.metrics.prefilled(
+            sum(s.num_tokens for s in plan.scheduled if s.num_tokens > 1 or s.seq.num_output == 0)
+        )
+
+    def _update_gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.gauges(
+                running=self.num_running,
+                waiting=self.num_waiting,
+                used=self.kv.used_blocks,
+                free=self.kv.free_blocks,
+            )
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "free_blocks": self.kv.free_blocks,
+            "total_blocks": self.kv.total_blocks,
+            "running": self.num_running,
+            "waiting": self.num_waiting,
+            "reserved": self.num_reserved,
+            "tokens_in_flight": self.tokens_in_flight(),
+        }
+
+
+def _eos_ids(model: Any) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(e, int):
+            ids.add(e)
+        elif isinstance(e, (list, tuple)):
+            ids.update(int(x) for x in e)
+    return ids

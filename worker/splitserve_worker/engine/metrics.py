@@ -1,0 +1,38 @@
+"""The engine's Prometheus series (names from :mod:`splitserve_worker.metrics.names`)."""
+
+from __future__ import annotations
+
+from splitserve_worker.metrics import names
+from splitserve_worker.metrics.registry import Metrics
+
+
+class EngineMetrics:
+    def __init__(self, metrics: Metrics, role: str) -> None:
+        self._running = metrics.gauge(names.RUNNING).labels(role=role)
+        self._waiting = metrics.gauge(names.WAITING).labels(role=role)
+        self._used = metrics.gauge(names.KV_BLOCKS_USED).labels(role=role)
+        self._free = metrics.gauge(names.KV_BLOCKS_FREE).labels(role=role)
+        self._queries = metrics.counter(names.PREFIX_QUERIES).labels(role=role)
+        self._hits = metrics.counter(names.PREFIX_HITS).labels(role=role)
+        self._prefill = metrics.counter(names.WORKER_PREFILL_TOKENS).labels(role=role)
+        self._decode = metrics.counter(names.WORKER_DECODE_TOKENS).labels(role=role)
+
+    def gauges(self, *, running: int, waiting: int, used: int, free: int) -> None:
+        self._running.set(running)
+        self._waiting.set(waiting)
+        self._used.set(used)
+        self._free.set(free)
+
+    def prefix(self, queried: int, hit: int) -> None:
+        if queried:
+            self._queries.inc(queried)
+        if hit:
+            self._hits.inc(hit)
+
+    def prefilled(self, tokens: int) -> None:
+        if tokens:
+            self._prefill.inc(tokens)
+
+    def decoded(self, tokens: int) -> None:
+        if tokens:
+            self._decode.inc(tokens)

@@ -1,0 +1,258 @@
+"""Layer-by-layer forward of a Llama-family model over the paged KV pool.
+
+The decoder layers of the transformers model are driven one by one: embed, then per
+layer input norm, q/k/v projections (q/k norms where the model has them), the model's
+own rotary embedding, K/V written into the pool, attention reading K/V through block
+tables, o_proj, residual, post-attention norm, MLP; then the final norm and lm_head
+for the rows that need logits. Many sequences share one forward: their new tokens are
+flattened into one ``[T, hidden]`` batch for every matmul; attention runs once for all
+single-token (decode) rows and once per multi-token (prefill) chunk.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from splitserve_worker.engine.kv_cache import KVCache
+
+
+class UnsupportedModel(RuntimeError):
+    """The model's layers cannot be driven one by one by this engine."""
+
+
+@dataclass
+class Chunk:
+    """New tokens of one sequence for one forward."""
+
+    block_table: Sequence[int]
+    start: int
+    """Tokens of this sequence whose KV is already in the pool (the first new position)."""
+    token_ids: Sequence[int]
+    need_logits: bool
+
+
+@dataclass
+class ModelShape:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position: int
+
+
+def model_shape(config: Any) -> ModelShape:
+    heads = int(config.num_attention_heads)
+    hidden = int(config.hidden_size)
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return ModelShape(
+        num_layers=int(config.num_hidden_layers),
+        num_heads=heads,
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(head_dim),
+        hidden_size=hidden,
+        vocab_size=int(config.vocab_size),
+        max_position=int(getattr(config, "max_position_embeddings", 4096) or 4096),
+    )
+
+
+class ModelRunner:
+    def __init__(self, model: Any, kv: KVCache) -> None:
+        inner = getattr(model, "model", None)
+        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if inner is None or not all(hasattr(inner, n) for n in needed):
+            raise UnsupportedModel(
+                f"{type(model).__name__} is not a Llama-family causal LM (needs "
+                f"model.embed_tokens, model.layers, model.norm, model.rotary_emb); "
+                f"use Llama, Mistral, Qwen2 or Qwen3"
+            )
+        self.shape = model_shape(model.config)
+        self.embed = inner.embed_tokens
+        self.layers = list(inner.layers)[: self.shape.num_layers]
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = model.lm_head
+        attn0 = self.layers[0].self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if not hasattr(attn0, name):
+                raise UnsupportedModel(
+                    f"{type(attn0).__name__} has no {name}: not a Llama-style attention"
+                )
+        rope = getattr(sys.modules[type(attn0).__module__], "apply_rotary_pos_emb", None)
+        if rope is None:
+            raise UnsupportedModel(f"{type(attn0).__module__} has no apply_rotary_pos_emb")
+        self.apply_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rope
+        self.scaling = float(getattr(attn0, "scaling", self.shape.head_dim**-0.5))
+        self.kv = kv
+        self.device = kv.device
+
+    @torch.inference_mode()
+    def forward(
+        self, chunks: Sequence[Chunk], after_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        """Run the new tokens of ``chunks``; return logits ``[n_need, vocab]`` (float32) for
+        the last token of each chunk with ``need_logits``, in chunk order.
+
+        ``after_layer(i)`` is called once layer ``i``'s K/V are in the pool, before layer
+        ``i + 1`` runs.
+        """
+        plan = _Plan.build(chunks, self.kv.block_size, self.device)
+        h = self.embed(plan.input_ids)
+        cos, sin = self.rotary(h, plan.positions.unsqueeze(0))
+        cos, sin = cos[0], sin[0]
+        hd = self.shape.head_dim
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            t = x.shape[0]
+            q = attn.q_proj(x).view(t, -1, hd)
+            k = attn.k_proj(x).view(t, -1, hd)
+            v = attn.v_proj(x).view(t, -1, hd)
+            if hasattr(attn, "q_norm"):
+                q = attn.q_norm(q)
+                k = attn.k_norm(k)
+            q, k = self.apply_rope(q, k, cos, sin, unsqueeze_dim=1)
+            self.kv.write(i, plan.slots, k, v)
+            o = self._attention(i, plan, q, k, v)
+            h = h + attn.o_proj(o.reshape(t, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if after_layer is not None:
+                after_layer(i)
+        if plan.logit_rows.numel() == 0:
+            return torch.empty((0, self.shape.vocab_size), device=self.device)
+        last = self.norm(h.index_select(0, plan.logit_rows))
+        return self.lm_head(last).float()
+
+    def _attention(
+        self, layer: int, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        kf, vf = self.kv.layer(layer)
+        if plan.decode_rows is not None and plan.prefills == []:
+            return self._decode_attention(plan, q, kf, vf)
+        out = torch.empty_like(q)
+        if plan.decode_rows is not None:
+            out[plan.decode_rows] = self._decode_attention(plan, q[plan.decode_rows], kf, vf)
+        for p in plan.prefills:
+            qp = q[p.lo : p.hi].transpose(0, 1).unsqueeze(0)
+            if p.gather is None:
+                kp = k[p.lo : p.hi].transpose(0, 1).unsqueeze(0)
+                vp = v[p.lo : p.hi].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(
+                    qp, kp, vp, is_causal=True, scale=self.scaling, enable_gqa=True
+                )
+            else:
+                kp = kf.index_select(0, p.gather).transpose(0, 1).unsqueeze(0)
+                vp = vf.index_select(0, p.gather).transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(
+                    qp, kp, vp, attn_mask=p.mask, scale=self.scaling, enable_gqa=True
+                )
+            out[p.lo : p.hi] = o[0].transpose(0, 1)
+        return out
+
+    def _decode_attention(
+        self, plan: _Plan, q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor
+    ) -> torch.Tensor:
+        assert plan.decode_gather is not None
+        b, lmax = plan.decode_gather.shape
+        idx = plan.decode_gather.view(-1)
+        kd = kf.index_select(0, idx).view(b, lmax, kf.shape[1], kf.shape[2]).transpose(1, 2)
+        vd = vf.index_select(0, idx).view(b, lmax, vf.shape[1], vf.shape[2]).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), kd, vd, attn_mask=plan.decode_mask, scale=self.scaling, enable_gqa=True
+        )
+        return o.squeeze(2)
+
+
+@dataclass
+class _Prefill:
+    lo: int
+    hi: int
+    gather: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass
+class _Plan:
+    """Index tensors for one forward, shared by every layer."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    logit_rows: torch.Tensor
+    decode_rows: torch.Tensor | None
+    decode_gather: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+    prefills: list[_Prefill]
+
+    @staticmethod
+    def build(chunks: Sequence[Chunk], bs: int, device: torch.device) -> _Plan:
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        decode_rows: list[int] = []
+        decode_chunks: list[Chunk] = []
+        prefills: list[_Prefill] = []
+        for c in chunks:
+            lo = len(ids)
+            n = len(c.token_ids)
+            ids.extend(c.token_ids)
+            table = c.block_table
+            for p in range(c.start, c.start + n):
+                pos.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            if c.need_logits:
+                logit_rows.append(lo + n - 1)
+            if n == 1:
+                decode_rows.append(lo)
+                decode_chunks.append(c)
+            elif c.start == 0:
+                prefills.append(_Prefill(lo, lo + n, None, None))
+            else:
+                ctx = c.start + n
+                gather = torch.tensor(
+                    [table[p // bs] * bs + p % bs for p in range(ctx)], dtype=torch.long
+                )
+                qpos = torch.arange(c.start, ctx).unsqueeze(1)
+                mask = torch.arange(ctx).unsqueeze(0) <= qpos
+                prefills.append(_Prefill(lo, lo + n, gather.to(device), mask.to(device)))
+
+        def tensor(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=device)
+
+        d_rows: torch.Tensor | None = None
+        d_gather: torch.Tensor | None = None
+        d_mask: torch.Tensor | None = None
+        if decode_chunks:
+            lens = [c.start + 1 for c in decode_chunks]
+            lmax = max(lens)
+            nblk = (lmax + bs - 1) // bs
+            tables = torch.tensor(
+                [
+                    list(c.block_table[:nblk]) + [0] * (nblk - min(nblk, len(c.block_table)))
+                    for c in decode_chunks
+                ],
+                dtype=torch.long,
+            )
+            ar = torch.arange(lmax)
+            d_gather = (tables[:, ar // bs] * bs + ar % bs).to(device)
+            d_mask = (ar.unsqueeze(0) < torch.tensor(lens).unsqueeze(1)).to(device)
+            d_mask = d_mask[:, None, None, :]
+            d_rows = tensor(decode_rows)
+        return _Plan(
+            input_ids=tensor(ids),
+            positions=tensor(pos),
+            slots=tensor(slots),
+            logit_rows=tensor(logit_rows),
+            decode_rows=d_rows,
+            decode_gather=d_gather,
+            decode_mask=d_mask,
+            prefills=prefills,
+        )

@@ -1,0 +1,103 @@
+"""One request's state inside the engine, and what the engine hands back."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from splitserve_worker.engine.prefix_cache import ROOT_HASH, block_hashes
+from splitserve_worker.engine.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float | None]
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended the request, if any."""
+
+
+@dataclass
+class PrefillResult:
+    """What a layer-wise prefill returns: the first token and how much was cached."""
+
+    first_token: int
+    first_logprob: float | None
+    num_cached_tokens: int
+    num_prompt_tokens: int
+
+
+@dataclass
+class Sequence:
+    """Tokens, KV blocks and progress of one request.
+
+    ``tokens`` is prompt plus output. The KV of ``tokens[:num_computed]`` is in the
+    blocks of ``block_table``; a step feeds ``tokens[num_computed:...]`` and, once
+    ``num_computed`` reaches ``len(tokens)``, samples the next token. A preempted
+    sequence drops its blocks and recomputes all of its tokens when it runs again.
+    """
+
+    request_id: str
+    prompt_len: int
+    tokens: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    arrival: int
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached_tokens: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    hashes: list[int] = field(default_factory=list)
+    num_registered: int = 0
+    """Leading blocks of ``block_table`` already offered to the prefix cache."""
+    pending_tokens: list[int] = field(default_factory=list)
+    pending_logprobs: list[float | None] = field(default_factory=list)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to compute before the next one can be sampled."""
+        return len(self.tokens) - self.num_computed
+
+    def full_block_hashes(self, block_size: int) -> list[int]:
+        """Hashes of every full block of ``tokens``, extended incrementally."""
+        n_full = len(self.tokens) // block_size
+        if len(self.hashes) < n_full:
+            parent = self.hashes[-1] if self.hashes else ROOT_HASH
+            start = len(self.hashes) * block_size
+            self.hashes.extend(
+                block_hashes(
+                    self.tokens[: n_full * block_size], block_size, parent=parent, start=start
+                )
+            )
+        return self.hashes
