@@ -1,0 +1,350 @@
+"""Running one request on the workers: the KV handoff, retries and migration.
+
+For each attempt the planner picks a decode worker and, when disaggregating, a
+prefill worker. Remote: Reserve on the decode worker, open its Generate stream
+(it starts once the KV is committed), Prefill on the prefill worker (which
+pushes the KV and commits). Local: Generate on the decode worker alone.
+
+Failures: a failed prefill retries on another prefill worker; a decode worker
+lost before the first token retries on another; one lost mid-stream migrates
+(prompt plus the tokens so far, prefilled elsewhere). After ``max_retries``
+the request ends with :class:`RequestFailed`. However an attempt ends, a
+cleanup task cancels it on every worker it touched, so no KV stays held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import grpc
+
+from splitserve_worker.metrics.names import (
+    DECODE_QUEUE,
+    DISAGG_DECISIONS,
+    PREFILL_QUEUE,
+    ROUTER_RETRIES,
+)
+from splitserve_worker.metrics.registry import Metrics
+from splitserve_worker.router.config import RouterConfig
+from splitserve_worker.router.planner import NoWorker, Plan, RoutePlanner
+from splitserve_worker.router.pool import WorkerPool
+from splitserve_worker.router.queues import Stage
+from splitserve_worker.router.scoring import DECODE_ROLES, PREFILL_ROLES
+from splitserve_worker.router.worker_client import Sampling, WorkerConn
+
+log = logging.getLogger(__name__)
+
+Hasher = Callable[[Sequence[int]], list[int]]
+
+_LOST = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.ABORTED,
+}
+_RETRY_ELSEWHERE = {
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.DATA_LOSS,
+}
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    request_id: str
+    prompt: tuple[int, ...]
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+
+
+class RequestFailed(Exception):
+    """The request could not be served; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class _AttemptFailed(Exception):
+    def __init__(self, worker: str, reason: str, detail: str, lost: bool) -> None:
+        super().__init__(f"{worker}: {detail}")
+        self.worker = worker
+        self.reason = reason
+        self.detail = detail
+        self.lost = lost
+        """The worker itself failed (mark it unhealthy), not just this request on it."""
+
+
+def _details(e: grpc.RpcError) -> str:
+    code = e.code() if hasattr(e, "code") else None
+    det = e.details() if hasattr(e, "details") else str(e)
+    return f"{code.name if code else 'error'}: {det}"
+
+
+def _code(e: BaseException) -> grpc.StatusCode | None:
+    return e.code() if isinstance(e, grpc.RpcError) and hasattr(e, "code") else None
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        config: RouterConfig,
+        pool: WorkerPool,
+        planner: RoutePlanner,
+        hasher: Hasher,
+        metrics: Metrics,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.planner = planner
+        self.hasher = hasher
+        q = config.queues
+        pq = metrics.gauge(PREFILL_QUEUE)
+        dq = metrics.gauge(DECODE_QUEUE)
+        self.prefill_stage = Stage("prefill", 0, q.prefill_max_waiting, q.max_wait_s,
+                                   q.retry_after_s, pq.set)  # fmt: skip
+        self.decode_stage = Stage("decode", 0, q.decode_max_waiting, q.max_wait_s,
+                                  q.retry_after_s, dq.set)  # fmt: skip
+        self._decisions = metrics.counter(DISAGG_DECISIONS)
+        self._retries = metrics.counter(ROUTER_RETRIES)
+        self._cleanup: set[asyncio.Task[None]] = set()
+
+    def update_capacity(self) -> None:
+        q = self.config.queues
+        self.prefill_stage.set_capacity(
+            self.pool.count(lambda r: r in PREFILL_ROLES) * q.prefill_slots_per_worker
+        )
+        self.decode_stage.set_capacity(
+            self.pool.count(lambda r: r in DECODE_ROLES) * q.decode_slots_per_worker
+        )
+
+    async def drain(self, timeout: float = 5.0) -> None:
+        """Waits for pending cleanup calls (used on shutdown and by tests)."""
+        if self._cleanup:
+            await asyncio.wait(set(self._cleanup), timeout=timeout)
+
+    # ---- one request ----
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[TokenEvent]:
+        """Tokens of ``req`` as they come; raises :class:`RequestFailed` when it cannot finish."""
+        cfg = self.config
+        await self.decode_stage.acquire()
+        try:
+            produced: list[int] = []
+            failed: set[str] = set()
+            failures = 0
+            attempt = 0
+            while True:
+                prompt = req.prompt + tuple(produced)
+                sampling = replace(
+                    req.sampling,
+                    max_tokens=req.sampling.max_tokens - len(produced),
+                    min_tokens=max(0, req.sampling.min_tokens - len(produced)),
+                )
+                plan = await self._plan(prompt, frozenset(failed))
+                self._decisions.labels(decision=plan.decision.where.value).inc()
+                rid = f"{req.request_id}.{attempt}"
+                attempt += 1
+                try:
+                    async for ev in self._attempt(rid, plan, prompt, sampling):
+                        produced.extend(ev.token_ids)
+                        yield ev
+                        if ev.finish_reason is not None:
+                            return
+                    raise _AttemptFailed(
+                        plan.decode.worker.name, "decode_lost", "stream ended early", lost=True
+                    )
+                except _AttemptFailed as e:
+                    failures += 1
+                    failed.add(e.worker)
+                    if e.lost:
+                        self.pool.mark_failed(e.worker, e.detail)
+                    reason = "migrate" if produced and e.reason == "decode_lost" else e.reason
+                    log.warning("request %s attempt %s failed (%s): %s", rid, attempt, reason, e)
+                    if failures > cfg.max_retries:
+                        raise RequestFailed(
+                            502,
+                            f"the request failed on {failures} workers; last error: {e}"
+                            + (f" (after {len(produced)} tokens)" if produced else ""),
+                        ) from None
+                    self._retries.labels(reason=reason).inc()
+        finally:
+            self.decode_stage.release()
+
+    async def _plan(self, prompt: tuple[int, ...], failed: frozenset[str]) -> Plan:
+        deadline = time.monotonic() + self.config.queues.max_wait_s
+        hashes = self.hasher(prompt)
+        while True:
+            snap = self.pool.snapshot()
+            try:
+                return self.planner.plan(len(prompt), hashes, snap, exclude=failed)
+            except NoWorker as e:
+                if time.monotonic() >= deadline:
+                    raise RequestFailed(
+                        503, f"{e} ({len(snap)} workers known, {len(failed)} failed this request)"
+                    ) from None
+            await self.pool.wait_change(0.1)
+
+    async def _attempt(
+        self, rid: str, plan: Plan, prompt: tuple[int, ...], sampling: Sampling
+    ) -> AsyncIterator[TokenEvent]:
+        t = self.config.timeouts
+        d_name = plan.decode.worker.name
+        dconn = self.pool.conn(d_name)
+        touched: list[WorkerConn] = [dconn]
+        finished = False
+        self.pool.assign(d_name, +1)
+        pump: asyncio.Task[None] | None = None
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        try:
+            if plan.prefill is not None:
+                p_name = plan.prefill.worker.name
+                pconn = self.pool.conn(p_name)
+                touched.append(pconn)
+                self.pool.assign(p_name, +1)
+                try:
+                    async with self.prefill_stage.slot():
+                        handle = await self._reserve(dconn, d_name, p_name, rid, len(prompt))
+                        pump = self._start(dconn, rid, prompt, sampling, True, queue)
+                        await self._prefill(
+                            pconn, p_name, dconn, d_name, rid, prompt, sampling, handle
+                        )
+                finally:
+                    self.pool.assign(p_name, -1)
+            else:
+                pump = self._start(dconn, rid, prompt, sampling, False, queue)
+            first = True
+            while True:
+                wait = t.first_token_s if first else t.inter_token_s
+                try:
+                    item = await asyncio.wait_for(queue.get(), wait)
+                except TimeoutError:
+                    raise _AttemptFailed(
+                        d_name, "decode_lost", f"no token within {wait:g} s", lost=True
+                    ) from None
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    self._raise_stream_error(d_name, item)
+                first = False
+                fr = item.finish_reason or None
+                if fr == "error":
+                    raise RequestFailed(400, f"the worker refused the request: {item.error}")
+                if fr == "abort":
+                    raise _AttemptFailed(d_name, "decode_lost", "aborted by the worker", lost=False)
+                if fr is not None:
+                    finished = True
+                yield TokenEvent(
+                    tuple(item.token_ids), tuple(item.logprobs), fr, item.num_cached_tokens
+                )
+                if finished:
+                    return
+        finally:
+            self.pool.assign(d_name, -1)
+            if pump is not None:
+                pump.cancel()
+            if not finished:
+                self._spawn_cleanup(rid, touched)
+
+    def _raise_stream_error(self, d_name: str, e: BaseException) -> None:
+        code = _code(e)
+        if code is grpc.StatusCode.INVALID_ARGUMENT and isinstance(e, grpc.RpcError):
+            raise RequestFailed(400, f"the worker refused the request: {e.details()}")
+        detail = _details(e) if isinstance(e, grpc.RpcError) else repr(e)
+        raise _AttemptFailed(d_name, "decode_lost", detail, lost=code in _LOST or code is None)
+
+    def _start(
+        self,
+        conn: WorkerConn,
+        rid: str,
+        prompt: tuple[int, ...],
+        sampling: Sampling,
+        remote: bool,
+        queue: asyncio.Queue[Any],
+    ) -> asyncio.Task[None]:
+        async def pump() -> None:
+            try:
+                async for chunk in conn.generate(
+                    rid, prompt, sampling, remote, timeout=self.config.timeouts.request_s
+                ):
+                    queue.put_nowait(chunk)
+                queue.put_nowait(None)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # handed to the consumer, which decides
+                queue.put_nowait(e)
+
+        return asyncio.create_task(pump(), name=f"generate-{rid}")
+
+    async def _reserve(self, dconn: WorkerConn, d_name: str, p_name: str, rid: str, n: int) -> Any:
+        t = self.config.timeouts
+        compat = self.pool.compat(p_name)
+        if compat is None:
+            raise _AttemptFailed(p_name, "prefill_failed", "no health answer yet", lost=False)
+        try:
+            return await dconn.reserve(
+                rid, n, compat, t.lease_s, self.config.kv_backend, timeout=t.connect_s
+            )
+        except grpc.RpcError as e:
+            code = _code(e)
+            raise _AttemptFailed(
+                d_name, "reserve_failed", f"Reserve: {_details(e)}", lost=code in _LOST
+            ) from None
+
+    async def _prefill(
+        self,
+        pconn: WorkerConn,
+        p_name: str,
+        dconn: WorkerConn,
+        d_name: str,
+        rid: str,
+        prompt: tuple[int, ...],
+        sampling: Sampling,
+        handle: Any,
+    ) -> None:
+        t = self.config.timeouts
+        try:
+            await pconn.prefill(rid, prompt, sampling, handle, timeout=t.prefill_s)
+        except grpc.RpcError as e:
+            code = _code(e)
+            if code is grpc.StatusCode.INVALID_ARGUMENT:
+                msg = f"the prefill worker refused the request: {e.details()}"
+                raise RequestFailed(400, msg) from None
+            # the push reaches the decode worker: when it is down, it is the one to blame
+            try:
+                await dconn.health(t.connect_s)
+            except (grpc.RpcError, TimeoutError):
+                raise _AttemptFailed(
+                    d_name, "decode_lost", "decode worker unreachable during the push", lost=True
+                ) from None
+            raise _AttemptFailed(
+                p_name, "prefill_failed", f"Prefill: {_details(e)}", lost=code in _LOST
+            ) from None
+
+    def _spawn_cleanup(self, rid: str, conns: list[WorkerConn]) -> None:
+        async def cleanup() -> None:
+            timeout = self.config.timeouts.connect_s
+            for conn in conns:
+                with contextlib.suppress(grpc.RpcError, TimeoutError, OSError):
+                    await conn.cancel(rid, timeout=timeout)
+
+        task = asyncio.create_task(cleanup(), name=f"cleanup-{rid}")
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)

@@ -1,0 +1,194 @@
+"""The live set of workers: health polling, prefix events, and snapshots for routing.
+
+Discovery says where workers are; the pool keeps one connection per worker,
+polls its Health every ``health_interval_s``, follows its prefix-cache Events
+into the shared :class:`PrefixIndex`, and offers an immutable snapshot of
+:class:`WorkerView` for each routing decision. A worker that fails a Health
+call or a request is marked unhealthy until its next good Health answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import grpc
+from splitserve.v1 import worker_pb2 as pb
+
+from splitserve_worker.router.discovery import Discovery, WorkerEndpoint
+from splitserve_worker.router.prefix_index import PrefixIndex
+from splitserve_worker.router.scoring import Role, WorkerView
+from splitserve_worker.router.worker_client import WorkerConn
+
+log = logging.getLogger(__name__)
+
+ConnFactory = Callable[[WorkerEndpoint], WorkerConn]
+
+
+@dataclass
+class Member:
+    endpoint: WorkerEndpoint
+    conn: WorkerConn
+    view: WorkerView
+    compat: pb.CompatInfo | None = None
+    tasks: tuple[asyncio.Task[None], ...] = ()
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        connect: ConnFactory,
+        index: PrefixIndex,
+        health_interval_s: float = 1.0,
+        health_timeout_s: float = 5.0,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self._connect = connect
+        self.index = index
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self._on_change = on_change
+        self._members: dict[str, Member] = {}
+        self._snapshot: tuple[WorkerView, ...] = ()
+        self._changed = asyncio.Event()
+        self._closing: set[asyncio.Task[None]] = set()
+
+    # ---- reading ----
+
+    def snapshot(self) -> tuple[WorkerView, ...]:
+        return self._snapshot
+
+    def conn(self, name: str) -> WorkerConn:
+        return self._members[name].conn
+
+    def compat(self, name: str) -> pb.CompatInfo | None:
+        m = self._members.get(name)
+        return m.compat if m else None
+
+    def has(self, name: str) -> bool:
+        return name in self._members
+
+    def count(self, side: Callable[[Role], bool]) -> int:
+        return sum(1 for v in self._snapshot if v.healthy and side(v.role))
+
+    async def wait_change(self, timeout: float) -> None:
+        """Returns when the worker set or a worker's health changes, or after ``timeout``."""
+        self._changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout)
+
+    # ---- bookkeeping by the dispatcher ----
+
+    def assign(self, name: str, delta: int) -> None:
+        m = self._members.get(name)
+        if m is not None:
+            m.view = replace(m.view, assigned=max(0, m.view.assigned + delta))
+            self._publish(notify=False)
+
+    def mark_failed(self, name: str, why: str) -> None:
+        m = self._members.get(name)
+        if m is not None and m.view.healthy:
+            log.warning("worker %s marked unhealthy: %s", name, why)
+            m.view = replace(m.view, healthy=False)
+            self.index.remove_worker(name)
+            self._publish()
+
+    # ---- membership ----
+
+    def set_endpoints(self, endpoints: list[WorkerEndpoint]) -> None:
+        wanted = {e.name: e for e in endpoints}
+        for name in list(self._members):
+            if name not in wanted or wanted[name] != self._members[name].endpoint:
+                self._drop(name)
+        for name, ep in wanted.items():
+            if name not in self._members:
+                m = Member(
+                    ep, self._connect(ep), WorkerView(name=name, role=ep.role, healthy=False)
+                )
+                self._members[name] = m
+                m.tasks = (
+                    asyncio.create_task(self._poll_health(m), name=f"health-{name}"),
+                    asyncio.create_task(self._follow_events(m), name=f"events-{name}"),
+                )
+        self._publish()
+
+    def _drop(self, name: str) -> None:
+        m = self._members.pop(name)
+        for t in m.tasks:
+            t.cancel()
+        self.index.remove_worker(name)
+        closing = asyncio.create_task(m.conn.close())
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
+
+    async def follow(self, discovery: Discovery) -> None:
+        async for endpoints in discovery.watch():
+            self.set_endpoints(endpoints)
+
+    async def close(self) -> None:
+        for name in list(self._members):
+            m = self._members.pop(name)
+            for t in m.tasks:
+                t.cancel()
+            with contextlib.suppress(Exception):
+                await m.conn.close()
+        self._snapshot = ()
+
+    def _publish(self, notify: bool = True) -> None:
+        self._snapshot = tuple(m.view for m in self._members.values())
+        if notify:
+            self._changed.set()
+            if self._on_change is not None:
+                self._on_change()
+
+    # ---- background loops ----
+
+    async def refresh(self, m: Member) -> bool:
+        """One Health call; updates the view and says whether the worker answered."""
+        try:
+            h = await m.conn.health(self.health_timeout_s)
+        except (grpc.RpcError, OSError, TimeoutError) as e:
+            if m.view.healthy:
+                log.warning("worker %s failed its health check: %s", m.endpoint.name, e)
+                m.view = replace(m.view, healthy=False)
+                self.index.remove_worker(m.endpoint.name)
+                self._publish()
+            return False
+        was = m.view.healthy
+        m.compat = h.compat
+        m.view = replace(
+            m.view,
+            healthy=True,
+            free_blocks=h.free_blocks,
+            total_blocks=h.total_blocks,
+            running=h.running,
+            waiting=h.waiting,
+            tokens_in_flight=h.tokens_in_flight,
+        )
+        self._publish(notify=not was)
+        return True
+
+    async def _poll_health(self, m: Member) -> None:
+        while True:
+            await self.refresh(m)
+            await asyncio.sleep(self.health_interval_s)
+
+    async def _follow_events(self, m: Member) -> None:
+        name = m.endpoint.name
+        while True:
+            try:
+                async for ev in m.conn.events():
+                    if ev.kind == pb.KVEvent.STORED:
+                        self.index.stored(name, ev.block_hashes)
+                    elif ev.kind == pb.KVEvent.EVICTED:
+                        self.index.evicted(name, ev.block_hashes)
+                    elif ev.kind == pb.KVEvent.CLEARED:
+                        self.index.remove_worker(name)
+            except grpc.RpcError as e:
+                log.debug("events of %s ended: %s", name, e)
+            # the stream ended (worker restarted or gone): what it held is unknown now
+            self.index.remove_worker(name)
+            await asyncio.sleep(self.health_interval_s)
