@@ -21,14 +21,16 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from splitserve_worker.kv.compat import Compat
 from splitserve_worker.kv.faults import FaultConfig
-from splitserve_worker.kv.layout import PoolView
 from splitserve_worker.kv.lease import Lease, LeaseTable
+
+if TYPE_CHECKING:
+    import torch
+
+    from splitserve_worker.kv.layout import PoolView
 
 
 class TransferError(Exception):

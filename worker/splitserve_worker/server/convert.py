@@ -1,0 +1,111 @@
+"""Conversions between the wire messages and the engine's and transports' types.
+
+Nothing here imports torch or the engine at module level, so the router can use the
+sampling conversion without loading a model stack.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from splitserve.v1 import worker_pb2 as pb
+
+from splitserve_worker.kv.compat import Compat
+from splitserve_worker.kv.transport import TransferTarget
+
+if TYPE_CHECKING:
+    from splitserve_worker.engine.sampling import SamplingParams
+    from splitserve_worker.engine.sequence import RequestOutput
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "min_tokens", "ignore_eos",
+                   "logprobs")  # fmt: skip
+
+
+def sampling_to_proto(sp: Any) -> pb.SamplingParams:
+    """From any object with the engine's ``SamplingParams`` fields (or a proto, as is)."""
+    if isinstance(sp, pb.SamplingParams):
+        return sp
+    msg = pb.SamplingParams(
+        temperature=float(sp.temperature),
+        top_p=float(sp.top_p),
+        top_k=int(sp.top_k),
+        max_tokens=int(sp.max_tokens),
+        min_tokens=int(sp.min_tokens),
+        ignore_eos=bool(sp.ignore_eos),
+        stop_token_ids=[int(t) for t in sp.stop_token_ids],
+        stop=list(sp.stop),
+        logprobs=bool(sp.logprobs),
+    )
+    if sp.seed is not None:
+        msg.seed = int(sp.seed)
+    return msg
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    from splitserve_worker.engine.sampling import SamplingParams
+
+    sp = SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p if msg.top_p > 0 else 1.0,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=msg.max_tokens if msg.max_tokens > 0 else SamplingParams.max_tokens,
+        min_tokens=msg.min_tokens,
+        ignore_eos=msg.ignore_eos,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        stop=tuple(msg.stop),
+        logprobs=msg.logprobs,
+    )
+    sp.validate()
+    return sp
+
+
+def compat_to_proto(c: Compat) -> pb.CompatInfo:
+    return pb.CompatInfo(
+        hash=c.hash,
+        model=c.model,
+        dtype=c.dtype,
+        block_size=c.block_size,
+        num_layers=c.num_layers,
+        kv_heads=c.kv_heads,
+        head_dim=c.head_dim,
+        kv_layout=c.kv_layout,
+    )
+
+
+def compat_from_proto(msg: pb.CompatInfo) -> Compat:
+    return Compat(
+        model=msg.model,
+        dtype=msg.dtype,
+        block_size=msg.block_size,
+        num_layers=msg.num_layers,
+        kv_heads=msg.kv_heads,
+        head_dim=msg.head_dim,
+        kv_layout=msg.kv_layout,
+        hash=msg.hash,
+    )
+
+
+def target_from_handle(h: pb.TransferHandle) -> TransferTarget:
+    return TransferTarget(
+        request_id=h.request_id,
+        lease_id=h.lease_id,
+        decode_address=h.decode_address,
+        block_ids=tuple(h.block_ids),
+        num_tokens=h.num_prompt_tokens,
+        compat_hash=h.compat.hash,
+        backend_metadata=h.backend_metadata,
+        deadline_unix=h.lease_expires_unix,
+    )
+
+
+def chunk_from_output(out: RequestOutput) -> pb.TokenChunk:
+    return pb.TokenChunk(
+        request_id=out.request_id,
+        token_ids=list(out.new_token_ids),
+        logprobs=[float(x) if x is not None else 0.0 for x in out.new_logprobs],
+        finish_reason=(out.finish_reason or "") if out.finished else "",
+        error=out.error or "",
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+    )
