@@ -41,6 +41,8 @@ class _Sampling(BaseModel):
     # vLLM extensions
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=1_000_000)
+    return_token_ids: bool = False
+    """Also return the generated token ids in each choice (``token_ids``)."""
 
     @field_validator("stop")
     @classmethod

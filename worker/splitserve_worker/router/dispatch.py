@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -142,7 +142,7 @@ class Dispatcher:
 
     # ---- one request ----
 
-    async def generate(self, req: GenRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, req: GenRequest) -> AsyncGenerator[TokenEvent, None]:
         """Tokens of ``req`` as they come; raises :class:`RequestFailed` when it cannot finish."""
         cfg = self.config
         await self.decode_stage.acquire()

@@ -1,0 +1,382 @@
+"""The OpenAI-compatible HTTP API (FastAPI): completions, chat, models, health, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from splitserve_worker.metrics.names import (
+    E2E,
+    GENERATION_TOKENS,
+    PROMPT_TOKENS,
+    REQUESTS,
+    TPOT,
+    TTFT,
+)
+from splitserve_worker.router import errors
+from splitserve_worker.router.api_models import ChatCompletionRequest, CompletionRequest
+from splitserve_worker.router.dispatch import GenRequest, RequestFailed, TokenEvent
+from splitserve_worker.router.errors import APIError
+from splitserve_worker.router.queues import Saturated
+from splitserve_worker.router.scoring import DECODE_ROLES
+from splitserve_worker.router.service import RouterService
+from splitserve_worker.router.text import Detokenizer
+from splitserve_worker.router.worker_client import Sampling
+
+
+@dataclass
+class Job:
+    """One request in flight: what it asked and what it has produced so far."""
+
+    id: str
+    kind: str  # "text_completion" | "chat.completion"
+    model: str
+    prompt: tuple[int, ...]
+    sampling: Sampling
+    detok: Detokenizer
+    want_logprobs: bool
+    return_token_ids: bool
+    stream: bool
+    arrived: float = field(default_factory=time.monotonic)
+    created: int = field(default_factory=lambda: int(time.time()))
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    first_at: float | None = None
+    finish_reason: str | None = None
+
+
+def _auth(service: RouterService) -> Callable[[Request], Awaitable[None]]:
+    async def check(request: Request) -> None:
+        key = service.config.api_key
+        if not key:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), key):
+            raise APIError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+
+    return check
+
+
+def create_app(service: RouterService) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(title="splitserve router", version="1", lifespan=lifespan)
+    errors.install(app)
+    auth = Depends(_auth(service))
+    cfg = service.config
+    m = service.metrics
+    ttft, tpot, e2e = m.histogram(TTFT), m.histogram(TPOT), m.histogram(E2E)
+    outcomes, prompt_tokens, gen_tokens = (
+        m.counter(REQUESTS),
+        m.counter(PROMPT_TOKENS),
+        m.counter(GENERATION_TOKENS),
+    )
+
+    # ---- helpers ----
+
+    def check_model(name: str) -> str:
+        if name and name != cfg.model_name:
+            raise APIError(
+                404,
+                f"model {name!r} is not served here; this server serves {cfg.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return cfg.model_name
+
+    def make_job(
+        kind: str, body: CompletionRequest | ChatCompletionRequest, prompt: list[int]
+    ) -> Job:
+        if not prompt:
+            raise APIError(400, "the prompt is empty after tokenization", param="prompt")
+        limit = body.token_limit() if isinstance(body, ChatCompletionRequest) else body.max_tokens
+        room = cfg.max_model_len - len(prompt)
+        if room < 1:
+            raise APIError(
+                400,
+                f"the prompt has {len(prompt)} tokens; this server accepts at most "
+                f"{cfg.max_model_len - 1} (max_model_len {cfg.max_model_len})",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        max_tokens = limit if limit is not None else min(cfg.default_max_tokens, room)
+        if max_tokens > room:
+            raise APIError(
+                400,
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                f"max_model_len {cfg.max_model_len}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        if body.min_tokens > max_tokens:
+            raise APIError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
+        vocab = len(service.tokenizer)
+        bad = next((t for t in prompt if t >= vocab), None)
+        if bad is not None:
+            raise APIError(
+                400, f"token id {bad} is outside the vocabulary (size {vocab})", param="prompt"
+            )
+        want_lp = bool(body.logprobs) if kind == "chat.completion" else body.logprobs is not None
+        sampling = Sampling(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=max(0, body.top_k),
+            seed=body.seed,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            ignore_eos=body.ignore_eos,
+            stop=body.stop_strings(),
+            logprobs=want_lp,
+        )
+        return Job(
+            id=("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex,
+            kind=kind,
+            model=check_model(body.model),
+            prompt=tuple(prompt),
+            sampling=sampling,
+            detok=Detokenizer(service.tokenizer, body.stop_strings()),
+            want_logprobs=want_lp,
+            return_token_ids=body.return_token_ids,
+            stream=body.stream,
+        )
+
+    async def events(job: Job) -> AsyncIterator[tuple[str, TokenEvent]]:
+        """(text delta, event) pairs; records metrics; always ends the worker side."""
+        prompt_tokens.inc(len(job.prompt))
+        outcome = "cancelled"
+        gen = service.dispatcher.generate(GenRequest(job.id, job.prompt, job.sampling))
+        try:
+            async for ev in gen:
+                now = time.monotonic()
+                if job.first_at is None and ev.token_ids:
+                    job.first_at = now
+                    ttft.observe(now - job.arrived)
+                final = ev.finish_reason is not None
+                text = job.detok.add(ev.token_ids, final=final)
+                job.tokens.extend(ev.token_ids)
+                job.logprobs.extend(ev.logprobs)
+                gen_tokens.inc(len(ev.token_ids))
+                if job.detok.stopped:
+                    job.finish_reason = "stop"
+                    yield text, ev
+                    break
+                if final:
+                    job.finish_reason = ev.finish_reason
+                yield text, ev
+                if final:
+                    break
+            end = time.monotonic()
+            e2e.observe(end - job.arrived)
+            if job.first_at is not None and len(job.tokens) > 1:
+                tpot.observe((end - job.first_at) / (len(job.tokens) - 1))
+            outcome = "success"
+        except Saturated:
+            outcome = "rejected"
+            raise
+        except RequestFailed:
+            outcome = "error"
+            raise
+        finally:
+            await gen.aclose()
+            outcomes.labels(outcome=outcome).inc()
+
+    def usage(job: Job) -> dict[str, int]:
+        return {
+            "prompt_tokens": len(job.prompt),
+            "completion_tokens": len(job.tokens),
+            "total_tokens": len(job.prompt) + len(job.tokens),
+        }
+
+    def logprobs_of(job: Job, ids: list[int], lps: list[float]) -> Any:
+        if not job.want_logprobs:
+            return None
+        toks = [service.tokenizer.decode([t]) for t in ids]
+        if job.kind == "chat.completion":
+            return {
+                "content": [
+                    {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
+                    for s, lp in zip(toks, lps, strict=False)
+                ]
+            }
+        return {
+            "tokens": toks,
+            "token_logprobs": list(lps),
+            "top_logprobs": None,
+            "text_offset": [],
+        }
+
+    def choice(job: Job, text: str, ids: list[int], lps: list[float], final: bool) -> Any:
+        c: dict[str, Any] = {"index": 0}
+        if job.kind == "chat.completion" and job.stream:
+            c["delta"] = {"content": text} if text else {}
+        elif job.kind == "chat.completion":
+            c["message"] = {"role": "assistant", "content": text}
+        else:
+            c["text"] = text
+        c["logprobs"] = logprobs_of(job, ids, lps)
+        c["finish_reason"] = job.finish_reason if final else None
+        if job.return_token_ids:
+            c["token_ids"] = ids
+        return c
+
+    def envelope(job: Job, choices: list[Any]) -> dict[str, Any]:
+        obj = job.kind + (".chunk" if job.kind == "chat.completion" and job.stream else "")
+        return {
+            "id": job.id,
+            "object": obj,
+            "created": job.created,
+            "model": job.model,
+            "choices": choices,
+        }
+
+    def failure(e: Saturated | RequestFailed) -> APIError:
+        if isinstance(e, Saturated):
+            return errors.from_saturated(e)
+        return APIError(e.status, e.message, code="worker_error" if e.status >= 500 else None)
+
+    async def run_to_end(request: Request, job: Job) -> dict[str, Any]:
+        async def collect() -> None:
+            async for _ in events(job):
+                pass
+
+        task = asyncio.create_task(collect())
+        try:
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if not done and await request.is_disconnected():
+                    task.cancel()
+                    break
+            await task
+        except (Saturated, RequestFailed) as e:
+            raise failure(e) from None
+        finally:
+            if not task.done():
+                task.cancel()
+        body = envelope(job, [choice(job, job.detok.text, job.tokens, job.logprobs, True)])
+        body["usage"] = usage(job)
+        return body
+
+    def sse(obj: Any) -> bytes:
+        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+    async def run_streaming(job: Job, include_usage: bool) -> AsyncIterator[bytes]:
+        try:
+            if job.kind == "chat.completion":
+                first = envelope(job, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}])  # fmt: skip
+                yield sse(first)
+            async for text, ev in events(job):
+                final = job.finish_reason is not None
+                if not text and not final and not job.return_token_ids:
+                    continue
+                ids, lps = list(ev.token_ids), list(ev.logprobs)
+                yield sse(envelope(job, [choice(job, text, ids, lps, final)]))
+            if include_usage:
+                body = envelope(job, [])
+                body["usage"] = usage(job)
+                yield sse(body)
+        except (Saturated, RequestFailed) as e:
+            yield sse(failure(e).body())
+        yield b"data: [DONE]\n\n"
+
+    async def respond(
+        request: Request, job: Job, body: CompletionRequest | ChatCompletionRequest
+    ) -> Response:
+        if body.stream:
+            # admission first, so a full queue answers 429 rather than an error inside a 200
+            stage = service.dispatcher.decode_stage
+            if stage.waiting >= stage.max_waiting:
+                raise errors.from_saturated(
+                    Saturated("decode", 429, stage.retry_after_s,
+                              f"the decode queue is full ({stage.max_waiting} requests waiting)")
+                )  # fmt: skip
+            return StreamingResponse(
+                run_streaming(job, body.include_usage()),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return JSONResponse(await run_to_end(request, job))
+
+    # ---- routes ----
+
+    @app.post("/v1/completions", dependencies=[auth])
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        if isinstance(body.prompt, str):
+            prompt = list(service.tokenizer(body.prompt, add_special_tokens=True)["input_ids"])
+        else:
+            prompt = list(body.prompt)  # type: ignore[arg-type]
+        return await respond(request, make_job("text_completion", body, prompt), body)
+
+    @app.post("/v1/chat/completions", dependencies=[auth])
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        tok = service.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise APIError(
+                400, f"model {cfg.model_name!r} has no chat template; use /v1/completions"
+            )
+        messages = [{"role": msg.role, "content": msg.text()} for msg in body.messages]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt = list(tok(text, add_special_tokens=False)["input_ids"])
+        return await respond(request, make_job("chat.completion", body, prompt), body)
+
+    @app.get("/v1/models", dependencies=[auth])
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": cfg.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "splitserve",
+                    "max_model_len": cfg.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        snap = service.pool.snapshot()
+        workers = [
+            {
+                "name": w.name,
+                "role": w.role.value,
+                "healthy": w.healthy,
+                "free_blocks": w.free_blocks,
+                "total_blocks": w.total_blocks,
+                "running": w.running,
+                "assigned": w.assigned,
+            }
+            for w in snap
+        ]
+        ok = any(w.healthy and w.role in DECODE_ROLES for w in snap)
+        body = {"status": "ok" if ok else "no decode worker is healthy", "workers": workers}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,83 @@
+"""The router's parts wired together: discovery, pool, planner, dispatcher, tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from splitserve_worker.metrics.registry import Metrics
+from splitserve_worker.router.config import RouterConfig
+from splitserve_worker.router.discovery import Discovery, WorkerEndpoint
+from splitserve_worker.router.dispatch import Dispatcher
+from splitserve_worker.router.planner import RoutePlanner
+from splitserve_worker.router.pool import ConnFactory, WorkerPool
+from splitserve_worker.router.worker_client import GrpcWorkerConn
+
+
+def engine_block_hashes(block_size: int) -> Any:
+    """The engine's own chained block hash, so the router's hashes match the workers'."""
+    from splitserve_worker.engine.prefix_cache import block_hashes
+
+    def hasher(tokens: Sequence[int]) -> list[int]:
+        return block_hashes(tokens, block_size)
+
+    return hasher
+
+
+@dataclass
+class RouterService:
+    config: RouterConfig
+    tokenizer: Any
+    discovery: Discovery
+    connect: ConnFactory | None = None
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.registry)
+        cfg = self.config
+        self.planner = RoutePlanner(cfg)
+        token = cfg.worker_token
+
+        def default_connect(ep: WorkerEndpoint) -> GrpcWorkerConn:
+            return GrpcWorkerConn(ep.address, token)
+
+        self.pool = WorkerPool(
+            self.connect or default_connect,
+            self.planner.index,
+            health_interval_s=cfg.timeouts.health_interval_s,
+            health_timeout_s=cfg.timeouts.connect_s,
+            on_change=self._on_change,
+        )
+        self.dispatcher = Dispatcher(
+            cfg, self.pool, self.planner, engine_block_hashes(cfg.block_size), self.metrics
+        )
+        self._follow: asyncio.Task[None] | None = None
+
+    def _on_change(self) -> None:
+        self.dispatcher.update_capacity()
+
+    async def start(self) -> None:
+        self._follow = asyncio.create_task(self.pool.follow(self.discovery), name="discovery")
+
+    async def stop(self) -> None:
+        if self._follow is not None:
+            self._follow.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._follow
+        await self.dispatcher.drain()
+        await self.pool.close()
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """True once a decode-capable worker answers Health (bounded by ``timeout``)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            if self.dispatcher.decode_stage.capacity > 0:
+                return True
+            await asyncio.sleep(0.05)
+        return False
