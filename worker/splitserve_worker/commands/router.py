@@ -1,0 +1,139 @@
+"""``splitserve router``: the OpenAI-compatible router alone, in front of running workers.
+
+    splitserve router --model smollm2-135m --workers prefill=127.0.0.1:7001,decode=127.0.0.1:7002
+    splitserve router --model /models/x --discovery kubernetes --namespace ns \\
+        --selector app.kubernetes.io/instance=my-llm
+
+The worker token comes from ``--token-file`` or ``SPLITSERVE_WORKER_TOKEN``; the API key
+(optional) from ``--api-key-file`` or ``SPLITSERVE_API_KEY``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+API_KEY_ENV = "SPLITSERVE_API_KEY"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="built-in name or checkpoint folder (tokenizer)")
+    p.add_argument(
+        "--served-model-name", default=None, help="model id clients use (default: --model)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument(
+        "--workers",
+        default=None,
+        help="static list: ROLE=HOST:PORT,... (ROLE: prefill, decode, both)",
+    )
+    p.add_argument("--discovery", choices=("static", "kubernetes"), default="static")
+    p.add_argument("--namespace", default=None, help="Kubernetes namespace of the worker pods")
+    p.add_argument("--selector", default=None, help="label selector of the worker pods")
+    p.add_argument("--role-label", default=None, help="pod label holding the worker role")
+    p.add_argument("--token-file", default=None, help="file holding the shared worker token")
+    p.add_argument(
+        "--api-key-file", default=None, help=f"file holding the API key (or ${API_KEY_ENV})"
+    )
+    p.add_argument(
+        "--config", default=None, help="router settings, YAML or JSON (see RouterConfig)"
+    )
+    p.add_argument("--kv-backend", choices=("grpc", "nixl"), default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--log-level", default="info")
+
+
+def load_config(args: argparse.Namespace, **overrides: Any) -> Any:
+    """RouterConfig from --config, then the command-line flags, then ``overrides``."""
+    from splitserve_worker.router.config import RouterConfig
+
+    data: dict[str, Any] = {}
+    if args.config:
+        text = Path(args.config).read_text()
+        if args.config.endswith((".yaml", ".yml")):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+    data["model_name"] = args.served_model_name or args.model
+    if args.kv_backend:
+        data["kv_backend"] = args.kv_backend
+    if args.block_size:
+        data["block_size"] = args.block_size
+    if args.max_model_len:
+        data["max_model_len"] = args.max_model_len
+    data.update(overrides)
+    return RouterConfig.from_mapping(data)
+
+
+def read_secret(path: str | None, env: str) -> str | None:
+    if path:
+        value = Path(path).read_text().strip()
+        if not value:
+            raise ValueError(f"{path} is empty")
+        return value
+    return os.environ.get(env, "").strip() or None
+
+
+def load_tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    from splitserve_worker.models import resolve_model
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(model)))
+
+
+def make_discovery(args: argparse.Namespace) -> Any:
+    from splitserve_worker.router import discovery as disc
+
+    if args.discovery == "kubernetes":
+        if not args.namespace or not args.selector:
+            raise ValueError("--discovery kubernetes needs --namespace and --selector")
+        from kubernetes import client, config
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        return disc.KubernetesDiscovery(
+            client.CoreV1Api(), args.namespace, args.selector, args.role_label or disc.ROLE_LABEL
+        )
+    if not args.workers:
+        raise ValueError("pass --workers ROLE=HOST:PORT,... or --discovery kubernetes")
+    return disc.StaticDiscovery(disc.parse_static(args.workers))
+
+
+def build_app(args: argparse.Namespace, **overrides: Any) -> Any:
+    from splitserve_worker.router.app import create_app
+    from splitserve_worker.router.service import RouterService
+    from splitserve_worker.server.auth import TOKEN_ENV, load_token
+
+    token = load_token(args.token_file) if (args.token_file or os.environ.get(TOKEN_ENV)) else None
+    api_key = read_secret(args.api_key_file, API_KEY_ENV)
+    cfg = load_config(args, worker_token=token, api_key=api_key, **overrides)
+    service = RouterService(cfg, load_tokenizer(args.model), make_discovery(args))
+    return create_app(service)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        app = build_app(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"router: OpenAI API on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0

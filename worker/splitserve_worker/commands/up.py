@@ -1,0 +1,330 @@
+"""``splitserve up``: a local stack (workers and the router) on 127.0.0.1.
+
+    splitserve up --model smollm2-135m --prefill 1 --decode 1 [--colocated K] [--demo]
+
+Workers run as ``splitserve worker`` child processes (each prints ``READY host:port``
+once it serves); the router runs in this process. Ctrl-C (or SIGTERM) stops the
+router and terminates every child; children also die with this process (Linux
+parent-death signal), so none is left behind. ``--demo`` sends one chat question,
+streams the answer, prints TTFT and TPOT, and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from splitserve_worker.router.discovery import WorkerEndpoint
+from splitserve_worker.router.scoring import Role
+
+DEMO_QUESTION = "What is the capital of France? Answer in one short sentence."
+READY_PREFIX = "READY "
+
+
+class StackError(RuntimeError):
+    """The local stack could not start; the message says which part and why."""
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when this process dies (Linux)."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class WorkerProc:
+    role: Role
+    proc: subprocess.Popen[str]
+    address: str | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+    tail: list[str] = field(default_factory=list)
+
+    @property
+    def endpoint(self) -> WorkerEndpoint:
+        assert self.address is not None
+        return WorkerEndpoint(
+            name=f"{self.role.value}@{self.address}", role=self.role, address=self.address
+        )
+
+
+class WorkerProcs(AbstractContextManager["WorkerProcs"]):
+    """Starts ``splitserve worker`` processes and stops them all, whatever happens."""
+
+    def __init__(
+        self,
+        model: str,
+        roles: Sequence[Role],
+        token: str,
+        threads: int = 1,
+        kv_backend: str = "grpc",
+        extra_args: Sequence[str] = (),
+        echo: bool = True,
+    ) -> None:
+        self.model = model
+        self.roles = list(roles)
+        self.token = token
+        self.threads = threads
+        self.kv_backend = kv_backend
+        self.extra_args = list(extra_args)
+        self.echo = echo
+        self.procs: list[WorkerProc] = []
+        self._dir = tempfile.TemporaryDirectory(prefix="splitserve-up-")
+        self.token_file = Path(self._dir.name) / "worker-token"
+        self.token_file.write_text(token)
+        self.token_file.chmod(0o600)
+
+    def command(self, role: Role) -> list[str]:
+        return [
+            sys.executable, "-m", "splitserve_worker.cli", "worker",
+            "--role", role.value, "--model", self.model, "--host", "127.0.0.1", "--port", "0",
+            "--token-file", str(self.token_file), "--threads", str(self.threads),
+            "--kv-backend", self.kv_backend, *self.extra_args,
+        ]  # fmt: skip
+
+    def _spawn(self, role: Role) -> WorkerProc:
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(self.threads))
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        proc = subprocess.Popen(
+            self.command(role),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches us; we stop the children in order
+            preexec_fn=_die_with_parent,
+        )
+        wp = WorkerProc(role, proc)
+        threading.Thread(target=self._read, args=(wp, len(self.procs)), daemon=True).start()
+        return wp
+
+    def _read(self, wp: WorkerProc, i: int) -> None:
+        assert wp.proc.stdout is not None
+        for line in wp.proc.stdout:
+            line = line.rstrip("\n")
+            wp.tail = [*wp.tail[-40:], line]
+            if line.startswith(READY_PREFIX) and not wp.ready.is_set():
+                wp.address = line[len(READY_PREFIX) :].strip().split()[0]
+                wp.ready.set()
+            if self.echo:
+                print(f"[{wp.role.value}-{i}] {line}", file=sys.stderr, flush=True)
+        wp.ready.set()  # the process ended: wake the waiter, which sees no address
+
+    def start(self, timeout_s: float = 600.0) -> list[WorkerEndpoint]:
+        """Starts every worker and waits until each printed READY (or fails clearly)."""
+        for role in self.roles:
+            self.procs.append(self._spawn(role))
+        deadline = time.monotonic() + timeout_s
+        for i, wp in enumerate(self.procs):
+            if not wp.ready.wait(max(0.0, deadline - time.monotonic())) or wp.address is None:
+                code = wp.proc.poll()
+                why = f"exited with {code}" if code is not None else f"not ready in {timeout_s:g} s"
+                tail = "\n".join(wp.tail[-15:])
+                raise StackError(f"{wp.role.value} worker {i} {why}; its last output:\n{tail}")
+        return [wp.endpoint for wp in self.procs]
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        self.procs[i].proc.send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.procs[i].proc.wait(10)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for wp in self.procs:
+            if wp.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    wp.proc.terminate()
+        deadline = time.monotonic() + grace_s
+        for wp in self.procs:
+            try:
+                wp.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                wp.proc.kill()
+                wp.proc.wait(5)
+        self._dir.cleanup()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def stack_roles(prefill: int, decode: int, colocated: int) -> list[Role]:
+    roles = [Role.PREFILL] * prefill + [Role.DECODE] * decode + [Role.BOTH] * colocated
+    if not any(r in (Role.DECODE, Role.BOTH) for r in roles):
+        raise StackError("a stack needs at least one decode or colocated worker")
+    if prefill and not decode:
+        raise StackError("prefill workers need at least one decode worker to hand their KV to")
+    return roles
+
+
+@contextlib.contextmanager
+def _quiet_uvicorn_signals(server: Any) -> Iterator[None]:
+    yield
+
+
+async def serve_router(app: Any, host: str, port: int) -> tuple[Any, asyncio.Task[None]]:
+    """Starts uvicorn in this loop; returns (server, task) once it listens."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False,
+        timeout_graceful_shutdown=3, lifespan="on",
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    server.capture_signals = lambda: _quiet_uvicorn_signals(server)  # type: ignore[method-assign]
+    task = asyncio.create_task(server.serve())
+    for _ in range(600):
+        if server.started or task.done():
+            break
+        await asyncio.sleep(0.05)
+    if not server.started:
+        if task.done() and task.exception():
+            raise StackError(f"the router did not start: {task.exception()}")
+        raise StackError("the router did not start within 30 s")
+    return server, task
+
+
+async def demo(
+    base: str, model: str, api_key: str | None, out: Any = sys.stdout
+) -> dict[str, float]:
+    """Streams one chat answer to ``out``; returns its TTFT and TPOT (seconds)."""
+    import httpx
+
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": DEMO_QUESTION}],
+        "max_tokens": 64,
+        "temperature": 0,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    print(f"> {DEMO_QUESTION}", file=out, flush=True)
+    t0 = time.monotonic()
+    first: float | None = None
+    last = t0
+    n = 0
+    async with (
+        httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client,
+        client.stream("POST", f"{base}/v1/chat/completions", json=body, headers=headers) as r,
+    ):
+        if r.status_code != 200:
+            raise StackError(f"the demo request failed: {r.status_code} {await r.aread()!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise StackError(f"the demo request failed: {chunk['error']['message']}")
+            for c in chunk.get("choices", []):
+                ids = c.get("token_ids") or []
+                if ids:
+                    now = time.monotonic()
+                    first = first or now
+                    last = now
+                    n += len(ids)
+                print(c.get("delta", {}).get("content", ""), end="", file=out, flush=True)
+    print(file=out)
+    if first is None:
+        raise StackError("the demo request produced no tokens")
+    ttft = first - t0
+    tpot = (last - first) / (n - 1) if n > 1 else 0.0
+    print(
+        f"TTFT {ttft * 1000:.1f} ms, TPOT {tpot * 1000:.1f} ms ({n} tokens)", file=out, flush=True
+    )
+    return {"ttft_s": ttft, "tpot_s": tpot, "tokens": float(n)}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="built-in name or checkpoint folder")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--colocated", type=int, default=0, help="'both' workers (prefill and decode)")
+    p.add_argument("--kv-backend", choices=("grpc", "nixl"), default="grpc")
+    p.add_argument("--port", type=int, default=8000, help="router HTTP port on 127.0.0.1")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--api-key", default=None, help="require this API key on the router")
+    p.add_argument("--worker-arg", action="append", default=[],
+                   help="extra argument passed to every worker (repeatable)")  # fmt: skip
+    p.add_argument("--demo", action="store_true", help="ask one question, print TTFT/TPOT, exit")
+
+
+async def _main(args: argparse.Namespace) -> int:
+    from splitserve_worker.commands.router import load_tokenizer
+    from splitserve_worker.router.app import create_app
+    from splitserve_worker.router.config import RouterConfig
+    from splitserve_worker.router.discovery import StaticDiscovery
+    from splitserve_worker.router.service import RouterService
+
+    roles = stack_roles(args.prefill, args.decode, args.colocated)
+    token = secrets.token_hex(16)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    with WorkerProcs(
+        args.model, roles, token, args.threads, args.kv_backend, args.worker_arg
+    ) as procs:
+        print(
+            f"starting {len(roles)} workers ({', '.join(r.value for r in roles)}) ...", flush=True
+        )
+        starting = asyncio.ensure_future(asyncio.to_thread(procs.start))
+        tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
+        done, _ = await asyncio.wait({starting, asyncio.ensure_future(stop.wait())},
+                                     return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        if starting not in done:
+            print("interrupted while starting; stopping the workers", flush=True)
+            return 130
+        endpoints = starting.result()
+        cfg = RouterConfig(
+            model_name=args.model, kv_backend=args.kv_backend, worker_token=token,
+            api_key=args.api_key,
+        )  # fmt: skip
+        service = RouterService(cfg, tokenizer, StaticDiscovery(endpoints))
+        server, task = await serve_router(create_app(service), "127.0.0.1", args.port)
+        base = f"http://127.0.0.1:{args.port}"
+        try:
+            if not await service.wait_ready(60):
+                raise StackError("no decode worker answered Health within 60 s")
+            print(f"router: OpenAI API on {base}/v1 (model {args.model!r})", flush=True)
+            for ep in endpoints:
+                print(f"  worker {ep.role.value:8s} {ep.address}", flush=True)
+            if args.demo:
+                await demo(base, args.model, args.api_key)
+            else:
+                print("press Ctrl-C to stop", flush=True)
+                await stop.wait()
+        finally:
+            server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, 10)
+    print("stopped", flush=True)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(_main(args))
+    except StackError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
