@@ -90,11 +90,12 @@ class AsyncEngine:
                 except Exception as e:  # the thread boundary: fail the requests, keep serving
                     log.exception("engine step failed")
                     outputs = self._fail_all(f"engine step failed: {e!r}")
+                self._stats = self.engine.stats()
                 self._dispatch(outputs)
             else:
+                self._stats = self.engine.stats()
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
-            self._stats = self.engine.stats()
         self._drain_calls()
 
     def _drain_calls(self) -> None:
@@ -135,8 +136,10 @@ class AsyncEngine:
             try:
                 result = fn(*args)
             except BaseException as e:  # handed to the awaiting caller, not swallowed
+                self._stats = self.engine.stats()
                 loop.call_soon_threadsafe(_set_exception, fut, e)
             else:
+                self._stats = self.engine.stats()
                 loop.call_soon_threadsafe(_set_result, fut, result)
 
         self._calls.put(run)
@@ -183,8 +186,12 @@ class AsyncEngine:
         except BaseException:
             self._close_stream(request_id, s)
             raise
-        async for out in self._follow(request_id, s):
-            yield out
+        inner = self._follow(request_id, s)
+        try:
+            async for out in inner:
+                yield out
+        finally:
+            await inner.aclose()
 
     async def abort(self, request_id: str) -> bool:
         return await self.call(self.engine.abort, request_id)

@@ -34,7 +34,8 @@ class EngineConfig:
 
     prefill_chunk_tokens: int = 512
     """Prefill tokens per step while sequences are decoding: long prompts are cut into
-    chunks of this size so decode steps keep flowing between them."""
+    chunks of this size so decode steps keep flowing between them. Capped at
+    ``max_batch_tokens``."""
 
     enable_prefix_cache: bool = True
     """Reuse KV blocks of identical prompt prefixes (chained block hashes, LRU eviction)."""
@@ -77,11 +78,9 @@ class EngineConfig:
                 f"max_batch_tokens ({self.max_batch_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so every running sequence can decode in one step"
             )
-        if not 1 <= self.prefill_chunk_tokens <= self.max_batch_tokens:
-            raise ValueError(
-                f"prefill_chunk_tokens must be in [1, max_batch_tokens={self.max_batch_tokens}], "
-                f"got {self.prefill_chunk_tokens}"
-            )
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
+        self.prefill_chunk_tokens = min(self.prefill_chunk_tokens, self.max_batch_tokens)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
