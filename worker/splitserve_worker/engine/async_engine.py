@@ -11,7 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -160,7 +160,7 @@ class AsyncEngine:
             if self._streams.get(request_id) is s:
                 del self._streams[request_id]
 
-    async def _follow(self, request_id: str, s: _Stream) -> AsyncIterator[RequestOutput]:
+    async def _follow(self, request_id: str, s: _Stream) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
             while not finished:
