@@ -1,0 +1,105 @@
+"""``splitserve worker``: one worker process (prefill, decode or both) serving ``splitserve.v1``.
+
+Prints one line ``READY <host:port>`` on stdout once it serves, then runs until SIGTERM or
+SIGINT, when it stops taking calls, lets running ones finish for a moment, and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from splitserve_worker.kv.faults import FaultConfig
+from splitserve_worker.server.auth import TOKEN_ENV, TokenError, load_token
+from splitserve_worker.server.config import KV_BACKENDS, ROLES, ConfigError, WorkerConfig
+
+READY_PREFIX = "READY "
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", choices=ROLES, required=True, help="what this worker does")
+    p.add_argument("--model", required=True, help="built-in model name or checkpoint folder")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    p.add_argument(
+        "--advertise-address",
+        default=None,
+        help="host:port others reach this worker at (default: host:port)",
+    )
+    p.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on this port")
+    p.add_argument(
+        "--kv-backend",
+        choices=KV_BACKENDS,
+        default="grpc",
+        help="KV transport this worker pushes with / offers in Reserve",
+    )
+    p.add_argument(
+        "--lease-seconds",
+        type=float,
+        default=30.0,
+        help="reserved blocks are freed if their KV is not committed in this time",
+    )
+    p.add_argument(
+        "--token-file",
+        default=None,
+        help=f"file holding the shared worker token (default: ${TOKEN_ENV})",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
+    size.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in a batch")
+    p.add_argument("--checksums", action="store_true", help="crc32 every pushed KV layer")
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(
+        role=args.role,
+        model=args.model,
+        token=load_token(args.token_file),
+        port=args.port,
+        host=args.host,
+        advertise_address=args.advertise_address,
+        metrics_port=args.metrics_port,
+        dtype=args.dtype,
+        device=args.device,
+        kv_backend=args.kv_backend,
+        lease_seconds=args.lease_seconds,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        num_blocks=args.num_blocks,
+        threads=args.threads,
+        checksums=args.checksums,
+        max_num_seqs=args.max_num_seqs,
+        faults=FaultConfig.from_env(),
+    )
+
+
+async def serve(config: WorkerConfig) -> int:
+    from splitserve_worker.server.app import nixl_loopback_env, start_worker
+
+    if config.kv_backend == "nixl" and config.host in ("127.0.0.1", "localhost"):
+        nixl_loopback_env()
+    worker = await start_worker(config)
+    print(f"{READY_PREFIX}{worker.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await worker.stop(grace=2.0)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except (TokenError, ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(config))

@@ -1,0 +1,157 @@
+"""Assemble a worker: model, engine, KV backends, the gRPC server, metrics, background tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry
+from splitserve.v1 import worker_pb2_grpc
+
+from splitserve_worker.kv.compat import Compat
+from splitserve_worker.kv.layout import PoolView
+from splitserve_worker.kv.lease import LeaseTable
+from splitserve_worker.kv.transport import (
+    BackendContext,
+    ReceiverBackend,
+    create_receiver_backend,
+)
+from splitserve_worker.metrics.registry import Metrics
+from splitserve_worker.server.auth import TokenAuthInterceptor
+from splitserve_worker.server.config import WorkerConfig
+from splitserve_worker.server.events import EventHub
+from splitserve_worker.server.handoff import DecodeHandoff
+from splitserve_worker.server.prefill import PrefillRunner
+from splitserve_worker.server.service import WorkerService
+from splitserve_worker.server.wire import SERVER_OPTIONS
+
+
+@dataclass
+class RunningWorker:
+    config: WorkerConfig
+    server: grpc.aio.Server
+    address: str
+    engine: Any
+    service: WorkerService
+    metrics: Metrics
+    metrics_port: int | None = None
+    _closers: list[Any] = field(default_factory=list)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.server.stop(grace)
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for close in reversed(self._closers):
+            result = close()
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_worker(config: WorkerConfig, *, loaded: Any = None) -> RunningWorker:
+    """Load the model (unless ``loaded`` is given), start the engine and serve."""
+    from splitserve_worker.engine.async_engine import AsyncEngine
+    from splitserve_worker.engine.engine import Engine
+    from splitserve_worker.models import load_model
+
+    if loaded is None:
+        loaded = await asyncio.to_thread(
+            load_model, config.model, dtype=config.dtype, device=config.device
+        )
+    metrics = Metrics(CollectorRegistry())
+    engine = Engine(loaded, config.engine_config(), metrics)  # type: ignore[arg-type]
+    aengine = AsyncEngine(engine).start()
+    closers: list[Any] = [aengine.close]
+    compat = Compat.from_mapping(engine.compat_info(), engine.compat_hash())
+
+    server = grpc.aio.server(
+        interceptors=[TokenAuthInterceptor(config.token)], options=SERVER_OPTIONS
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = config.advertise_address or f"{config.host}:{port}"
+    ctx = BackendContext(
+        compat=compat,
+        token=config.token,
+        checksums=config.checksums,
+        faults=config.faults,
+        pool=PoolView(engine.kv.pool),
+        leases=LeaseTable(),
+        name_hint=f"splitserve-{config.role}-{port}",
+    )
+
+    handoff = None
+    if config.serves_decode:
+        names = ["grpc"] if config.kv_backend == "grpc" else ["grpc", config.kv_backend]
+        receivers: dict[str, ReceiverBackend] = {}
+        for name in names:
+            receivers[name] = create_receiver_backend(name, ctx)
+            closers.append(receivers[name].close)
+        assert ctx.pool is not None and ctx.leases is not None
+        handoff = DecodeHandoff(
+            aengine,
+            compat,
+            ctx.pool,
+            ctx.leases,
+            receivers,
+            default_backend=config.kv_backend,
+            lease_seconds=config.lease_seconds,
+            address=address,
+            metrics=metrics,
+        )
+    prefill = None
+    if config.serves_prefill:
+        prefill = PrefillRunner(
+            aengine, ctx, transfer_timeout_s=config.transfer_timeout_s, metrics=metrics
+        )
+        closers.append(prefill.close)
+
+    events = EventHub(aengine)
+    kv_backends = sorted(handoff.receivers) if handoff else [config.kv_backend]
+    service = WorkerService(
+        role=config.role,
+        engine=aengine,
+        compat=compat,
+        handoff=handoff,
+        prefill=prefill,
+        events=events,
+        kv_backends=kv_backends,
+    )
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    await server.start()
+    tasks = [asyncio.create_task(events.poll_forever(), name="kv-events")]
+    if handoff is not None:
+        tasks.append(asyncio.create_task(handoff.reap_forever(), name="lease-reaper"))
+    metrics_port = None
+    if config.metrics_port is not None:
+        from splitserve_worker.metrics.server import start_metrics_server
+
+        ms = start_metrics_server(config.metrics_port, metrics.registry, host=config.host)
+        metrics_port = ms.port
+        closers.append(ms.close)
+    return RunningWorker(
+        config=config,
+        server=server,
+        address=address,
+        engine=aengine,
+        service=service,
+        metrics=metrics,
+        metrics_port=metrics_port,
+        _closers=closers,
+        _tasks=tasks,
+    )
+
+
+def nixl_loopback_env() -> None:
+    """UCX settings for NIXL between processes on one host (tests, benches, `up`)."""
+    os.environ.setdefault("UCX_TLS", "cma,tcp")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")

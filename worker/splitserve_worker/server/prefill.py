@@ -1,0 +1,174 @@
+"""The prefill side of the KV handoff: run the prompt, push each layer, Commit.
+
+The engine calls the sender's ``send_layer`` on its own thread as each layer finishes;
+the push runs on the transport's thread meanwhile. Whatever happens, the prefill
+engine's blocks are freed by ``prefill_export`` itself (kept only as prefix cache), so
+a failed push leaves nothing held here; the decode worker is told to Release.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from typing import Any
+
+import grpc
+from splitserve.v1 import worker_pb2 as pb
+from splitserve.v1 import worker_pb2_grpc
+
+from splitserve_worker.kv import compat as compat_mod
+from splitserve_worker.kv.compat import CompatError
+from splitserve_worker.kv.transport import (
+    BackendContext,
+    KVSender,
+    SenderBackend,
+    TransferError,
+    create_sender_backend,
+)
+from splitserve_worker.metrics import names
+from splitserve_worker.metrics.registry import Metrics
+from splitserve_worker.server.convert import compat_from_proto, target_from_handle
+from splitserve_worker.server.errors import RpcFailure
+from splitserve_worker.server.wire import CHANNEL_OPTIONS, auth_metadata
+
+log = logging.getLogger(__name__)
+
+COMMIT_TIMEOUT_S = 60.0
+
+
+class PrefillRunner:
+    def __init__(
+        self,
+        engine: Any,
+        ctx: BackendContext,
+        *,
+        transfer_timeout_s: float,
+        metrics: Metrics,
+    ) -> None:
+        self.engine = engine
+        self.ctx = ctx
+        self.transfer_timeout_s = transfer_timeout_s
+        self._senders: dict[str, SenderBackend] = {}
+        self._senders_lock = threading.Lock()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._bytes = metrics.counter(names.KV_TRANSFER_BYTES)
+        self._duration = metrics.histogram(names.KV_TRANSFER_DURATION)
+        self._failures = metrics.counter(names.KV_TRANSFER_FAILURES)
+
+    def sender_backend(self, name: str) -> SenderBackend:
+        with self._senders_lock:
+            backend = self._senders.get(name)
+            if backend is None:
+                backend = create_sender_backend(name, self.ctx)
+                self._senders[name] = backend
+            return backend
+
+    def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = ch
+        return worker_pb2_grpc.WorkerStub(ch)
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close(grace=None)
+        self._channels.clear()
+        for backend in self._senders.values():
+            backend.close()
+
+    async def run(self, req: pb.PrefillRequest, sampling: Any) -> pb.PrefillResponse:
+        from splitserve_worker.engine.errors import NoCapacity, RequestError
+
+        handle = req.handle
+        if handle.request_id and handle.request_id != req.request_id:
+            raise RpcFailure(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the handle is for request {handle.request_id!r}, not {req.request_id!r}",
+            )
+        try:
+            compat_mod.check(
+                self.ctx.compat, compat_from_proto(handle.compat), peer=handle.decode_address
+            )
+        except CompatError as e:
+            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        if handle.num_prompt_tokens != len(req.prompt_token_ids):
+            raise RpcFailure(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the handle reserves {handle.num_prompt_tokens} tokens, the prompt has "
+                f"{len(req.prompt_token_ids)}",
+            )
+        backend_name = handle.kv_backend or "grpc"
+        try:
+            backend = await asyncio.to_thread(self.sender_backend, backend_name)
+            sender: KVSender = await asyncio.to_thread(backend.open, target_from_handle(handle))
+        except (TransferError, ValueError, ImportError) as e:
+            await self._release_remote(handle, "prefill failed to open the push")
+            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, f"cannot push KV: {e}") from None
+
+        t0 = time.monotonic()
+        try:
+            result = await self.engine.prefill_export(
+                req.request_id, list(req.prompt_token_ids), sampling, sender.send_layer
+            )
+        except BaseException as e:
+            sender.abort(f"prefill failed: {e!r}")
+            await asyncio.shield(self._release_remote(handle, "prefill failed"))
+            if isinstance(e, NoCapacity):
+                raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+            if isinstance(e, RequestError):
+                raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise
+        t_compute = time.monotonic()
+        try:
+            stats = await asyncio.to_thread(sender.finish, self.transfer_timeout_s)
+        except TransferError as e:
+            self._failures.labels(backend_name, e.reason).inc()
+            await self._release_remote(handle, f"push failed: {e.reason}")
+            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {e}") from None
+        self._bytes.labels(backend_name, "sent").inc(stats.bytes_sent)
+        transfer_s = max(0.0, stats.done - (stats.first_send or t0))
+        self._duration.labels(backend_name).observe(transfer_s)
+
+        commit = pb.CommitRequest(
+            request_id=req.request_id,
+            lease_id=handle.lease_id,
+            first_token=result.first_token,
+            first_token_logprob=result.first_logprob or 0.0,
+            layers_sent=stats.layers_sent,
+            layer_crc32=stats.layer_crc32,
+        )
+        try:
+            await self._stub(handle.decode_address).Commit(
+                commit, metadata=auth_metadata(self.ctx.token), timeout=COMMIT_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as e:
+            self._failures.labels(backend_name, "commit").inc()
+            code = e.code()
+            if code not in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND):
+                code = grpc.StatusCode.UNAVAILABLE
+            raise RpcFailure(code, f"the decode worker refused Commit: {e.details()}") from None
+        return pb.PrefillResponse(
+            request_id=req.request_id,
+            first_token=result.first_token,
+            first_token_logprob=result.first_logprob or 0.0,
+            prefill_seconds=t_compute - t0,
+            transfer_seconds=transfer_s,
+            exposed_transfer_seconds=max(0.0, stats.done - t_compute),
+            bytes_sent=stats.bytes_sent,
+            num_cached_tokens=result.num_cached_tokens,
+        )
+
+    async def _release_remote(self, handle: pb.TransferHandle, reason: str) -> None:
+        """Best effort: the decode worker's lease frees the blocks anyway."""
+        if not handle.decode_address:
+            return
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
+            await self._stub(handle.decode_address).Release(
+                pb.ReleaseRequest(request_id=handle.request_id, reason=reason),
+                metadata=auth_metadata(self.ctx.token),
+                timeout=5.0,
+            )

@@ -1,0 +1,195 @@
+"""The ``splitserve.v1.Worker`` servicer: maps each call onto the engine and the handoff.
+
+Each handler is thin: it checks the worker's role, converts the message, calls the
+decode handoff (:mod:`.handoff`), the prefill runner (:mod:`.prefill`) or the engine,
+and turns known failures into the gRPC status the proto documents.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from splitserve.v1 import worker_pb2 as pb
+from splitserve.v1 import worker_pb2_grpc
+
+from splitserve_worker import __version__
+from splitserve_worker.kv.compat import Compat
+from splitserve_worker.server.convert import (
+    chunk_from_output,
+    compat_to_proto,
+    sampling_from_proto,
+)
+from splitserve_worker.server.errors import RpcFailure
+from splitserve_worker.server.events import EventHub
+from splitserve_worker.server.handoff import DecodeHandoff
+from splitserve_worker.server.prefill import PrefillRunner
+
+R = TypeVar("R")
+_ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE, "both": pb.ROLE_BOTH}
+
+
+def _unary(
+    fn: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]],
+) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]:
+    @functools.wraps(fn)
+    async def wrapped(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
+        from splitserve_worker.engine.errors import RequestError
+
+        try:
+            return await fn(self, request, context)
+        except RpcFailure as e:
+            await context.abort(e.code, e.message)
+        except RequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        raise AssertionError("context.abort returned")  # pragma: no cover
+
+    return wrapped
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(
+        self,
+        *,
+        role: str,
+        engine: Any,
+        compat: Compat,
+        handoff: DecodeHandoff | None,
+        prefill: PrefillRunner | None,
+        events: EventHub,
+        kv_backends: list[str],
+    ) -> None:
+        self.role = role
+        self.engine = engine
+        self.compat = compat
+        self.handoff = handoff
+        self.prefill = prefill
+        self.events = events
+        self.kv_backends = kv_backends
+
+    def _decode(self) -> DecodeHandoff:
+        if self.handoff is None:
+            raise RpcFailure(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this worker's role is {self.role!r}: it does not receive KV or decode "
+                "remote requests (use a decode or both worker)",
+            )
+        return self.handoff
+
+    def _prefill(self) -> PrefillRunner:
+        if self.prefill is None:
+            raise RpcFailure(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this worker's role is {self.role!r}: it does not run Prefill "
+                "(use a prefill or both worker)",
+            )
+        return self.prefill
+
+    @_unary
+    async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthResponse:
+        s = self.engine.stats()
+        return pb.HealthResponse(
+            role=_ROLES[self.role],
+            compat=compat_to_proto(self.compat),
+            free_blocks=s.get("free_blocks", 0),
+            total_blocks=s.get("total_blocks", 0),
+            running=s.get("running", 0),
+            waiting=s.get("waiting", 0),
+            tokens_in_flight=s.get("tokens_in_flight", 0),
+            version=__version__,
+            kv_backends=self.kv_backends,
+            leases=len(self.handoff.leases) if self.handoff else 0,
+        )
+
+    @_unary
+    async def Cancel(self, request: pb.CancelRequest, context: Any) -> pb.CancelResponse:
+        found = False
+        if self.handoff is not None and self.handoff.leases.contains(request.request_id):
+            found = True
+            await self.handoff.drop(request.request_id, "cancelled")
+        found = bool(await self.engine.abort(request.request_id)) or found
+        return pb.CancelResponse(found=found)
+
+    @_unary
+    async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:
+        handle = await self._decode().reserve(request)
+        return pb.ReserveResponse(handle=handle)
+
+    @_unary
+    async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
+        handoff = self._decode()
+        held = handoff.leases.contains(request.request_id)
+        freed = await handoff.drop(request.request_id, "released")
+        return pb.ReleaseResponse(released=held or freed > 0, blocks_freed=freed)
+
+    @_unary
+    async def PushKV(
+        self, request_iterator: AsyncIterator[pb.KVLayer], context: Any
+    ) -> pb.PushKVAck:
+        return await self._decode().push(request_iterator)
+
+    @_unary
+    async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:
+        await self._decode().commit(request)
+        return pb.CommitResponse(admitted=True)
+
+    @_unary
+    async def Prefill(self, request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:
+        runner = self._prefill()
+        sampling = sampling_from_proto(request.sampling)
+        return await runner.run(request, sampling)
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.TokenChunk]:
+        from splitserve_worker.engine.errors import NoCapacity, RequestError
+
+        rid = request.request_id
+        try:
+            sampling = sampling_from_proto(request.sampling)
+            if request.expect_remote_kv:
+                lease, stream = await self._decode().admit(
+                    rid, list(request.prompt_token_ids), sampling
+                )
+                first = pb.TokenChunk(
+                    request_id=rid,
+                    token_ids=[lease.first_token],
+                    num_prompt_tokens=lease.num_tokens,
+                )
+                if sampling.logprobs:
+                    first.logprobs.append(lease.first_logprob)
+            else:
+                if self.role == "prefill":
+                    raise RpcFailure(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        "this worker's role is 'prefill': it does not decode",
+                    )
+                stream = self.engine.generate(rid, list(request.prompt_token_ids), sampling)
+                first = None
+        except RpcFailure as e:
+            await context.abort(e.code, e.message)
+            return
+        except RequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
+        except NoCapacity as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            return
+        if first is not None:
+            yield first
+        try:
+            async for out in stream:
+                chunk = chunk_from_output(out)
+                if first is not None and not chunk.num_prompt_tokens:
+                    chunk.num_prompt_tokens = first.num_prompt_tokens
+                yield chunk
+        except RequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def Events(
+        self, request: pb.EventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KVEvent]:
+        async for ev in self.events.subscribe():
+            yield ev
