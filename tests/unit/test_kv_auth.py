@@ -1,0 +1,51 @@
+"""Loading the worker token and checking it on every call."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from splitserve_worker.server.auth import TokenAuthInterceptor, TokenError, load_token
+from splitserve_worker.server.config import ConfigError, WorkerConfig
+
+pytestmark = pytest.mark.unit
+
+
+def test_token_from_file_wins_over_env(tmp_path: Path) -> None:
+    f = tmp_path / "tok"
+    f.write_text("s3cret\n")
+    assert load_token(f, {"SPLITSERVE_WORKER_TOKEN": "other"}) == "s3cret"
+    assert load_token(None, {"SPLITSERVE_WORKER_TOKEN": " envtok "}) == "envtok"
+
+
+def test_missing_or_empty_token_says_where_to_put_one(tmp_path: Path) -> None:
+    with pytest.raises(TokenError, match="--token-file FILE or set SPLITSERVE_WORKER_TOKEN"):
+        load_token(None, {})
+    empty = tmp_path / "empty"
+    empty.write_text("  \n")
+    with pytest.raises(TokenError, match="is empty"):
+        load_token(empty, {})
+    with pytest.raises(TokenError, match="cannot read"):
+        load_token(tmp_path / "absent", {})
+
+
+def test_interceptor_accepts_only_the_exact_bearer_token() -> None:
+    auth = TokenAuthInterceptor("abc")
+    assert auth.allowed((("authorization", "Bearer abc"),))
+    assert not auth.allowed((("authorization", "Bearer abcd"),))
+    assert not auth.allowed((("authorization", "abc"),))
+    assert not auth.allowed((("x-other", "Bearer abc"),))
+    assert not auth.allowed(())
+
+
+def test_worker_config_checks_fields_and_hides_token() -> None:
+    cfg = WorkerConfig(role="decode", model="m", token="hidden-value")
+    assert "hidden-value" not in repr(cfg)
+    with pytest.raises(ConfigError, match="--role"):
+        WorkerConfig(role="router", model="m", token="t")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="--lease-seconds"):
+        WorkerConfig(role="decode", model="m", token="t", lease_seconds=0)
+    with pytest.raises(ConfigError, match="token"):
+        WorkerConfig(role="decode", model="m")
+    with pytest.raises(ConfigError, match="--kv-backend"):
+        WorkerConfig(role="decode", model="m", token="t", kv_backend="rdma")

@@ -1,0 +1,172 @@
+"""Pure parts of the KV handoff: compat check, block layout, leases, fault knob, registry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from splitserve_worker.kv import compat as compat_mod
+from splitserve_worker.kv import transport
+from splitserve_worker.kv.compat import Compat, CompatError
+from splitserve_worker.kv.faults import FaultConfig, FaultInjector, InjectedFault
+from splitserve_worker.kv.layout import PoolView, as_bytes, block_spans, token_chunks
+from splitserve_worker.kv.lease import LeaseError, LeaseTable, State
+
+pytestmark = pytest.mark.unit
+
+BASE = Compat("tiny", "float32", 16, 4, 2, 16, "LKBTHD-v1")
+
+
+# ---- compat ----
+def test_same_fields_same_hash_and_check_passes() -> None:
+    other = Compat("tiny", "float32", 16, 4, 2, 16, "LKBTHD-v1")
+    assert other.hash == BASE.hash
+    compat_mod.check(BASE, other)
+
+
+def test_mismatch_names_each_field_with_both_values() -> None:
+    other = Compat("tiny", "bfloat16", 32, 4, 2, 16, "LKBTHD-v1")
+    with pytest.raises(CompatError) as e:
+        compat_mod.check(BASE, other, peer="10.0.0.2:7000")
+    msg = str(e.value)
+    assert "dtype: this worker='float32', 10.0.0.2:7000='bfloat16'" in msg
+    assert "block_size: this worker=16, 10.0.0.2:7000=32" in msg
+    assert "num_layers" not in msg
+
+
+def test_hash_only_difference_is_still_refused() -> None:
+    other = Compat("tiny", "float32", 16, 4, 2, 16, "LKBTHD-v1", hash="f" * 64)
+    with pytest.raises(CompatError, match="hash"):
+        compat_mod.check(BASE, other)
+
+
+def test_from_mapping_requires_every_field() -> None:
+    with pytest.raises(CompatError, match="head_dim"):
+        Compat.from_mapping({"model": "m", "dtype": "float32", "block_size": 16,
+                             "num_layers": 1, "kv_heads": 1, "kv_layout": "x"})  # fmt: skip
+
+
+# ---- layout ----
+def test_block_spans_split_at_block_edges() -> None:
+    spans = block_spans([7, 3, 9], start=10, count=20, block_size=16)
+    assert [(s.block, s.offset, s.token, s.count) for s in spans] == [
+        (7, 10, 10, 6),
+        (3, 0, 16, 14),
+    ]
+    with pytest.raises(ValueError, match="do not fit"):
+        block_spans([7], start=0, count=17, block_size=16)
+
+
+def test_token_chunks_target_bytes() -> None:
+    assert token_chunks(10, 100, target=250) == [0, 2, 4, 6, 8]
+    assert token_chunks(0, 100) == []
+    assert token_chunks(5, 10**9, target=1) == [0, 1, 2, 3, 4]
+
+
+def test_pool_write_then_read_round_trips_and_touches_only_its_blocks() -> None:
+    pool = torch.zeros(3, 2, 8, 4, 2, 5)
+    view = PoolView(pool)
+    blocks = [6, 1, 4]
+    k = torch.randn(10, 2, 5)
+    v = torch.randn(10, 2, 5)
+    view.write(1, blocks, 0, k[:7], v[:7])
+    view.write(1, blocks, 7, k[7:], v[7:])
+    rk, rv = view.read(1, blocks, 0, 10)
+    assert torch.equal(rk, k) and torch.equal(rv, v)
+    assert torch.equal(pool[1, 0, 6], k[:4]) and torch.equal(pool[1, 1, 4, :2], v[8:])
+    untouched = [b for b in range(8) if b not in blocks]
+    assert pool[:, :, untouched].abs().sum() == 0
+    assert pool[0].abs().sum() == 0 and pool[2].abs().sum() == 0
+
+
+def test_as_bytes_is_a_view_for_any_dtype() -> None:
+    t = torch.arange(6, dtype=torch.bfloat16)
+    b = as_bytes(t)
+    assert len(b) == 12
+    t[0] = 5
+    assert bytes(b[:2]) == t[:1].view(torch.uint8).numpy().tobytes()
+
+
+def test_pool_view_refuses_other_layouts() -> None:
+    with pytest.raises(ValueError, match="num_layers, 2"):
+        PoolView(torch.zeros(2, 3, 4, 4, 1, 1))
+
+
+# ---- leases ----
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_lease_lifecycle_and_expiry() -> None:
+    clock = Clock()
+    table = LeaseTable(clock)
+    lease = table.add("r1", [1, 2], num_tokens=20, num_layers=2, ttl=5, backend="grpc")
+    with pytest.raises(LeaseError, match="already holds"):
+        table.add("r1", [3], num_tokens=1, num_layers=2, ttl=5, backend="grpc")
+    assert table.get("r1", lease.lease_id) is lease
+    with pytest.raises(LeaseError, match="stale"):
+        table.get("r1", "nope")
+    table.record(lease, 0, 0, 12, 100)
+    table.record(lease, 0, 12, 8, 100)
+    assert lease.layers_complete == 1 and not lease.complete
+    table.record(lease, 1, 0, 20, 100)
+    assert lease.complete and lease.bytes_received == 300
+    with pytest.raises(LeaseError, match="out of range"):
+        table.record(lease, 1, 15, 6, 1)
+    clock.now += 5
+    with pytest.raises(LeaseError, match="expired"):
+        table.get("r1")
+    assert table.expired() == [lease]
+    assert len(table) == 0
+
+
+def test_attached_leases_do_not_expire() -> None:
+    clock = Clock()
+    table = LeaseTable(clock)
+    lease = table.add("r1", [1], num_tokens=1, num_layers=1, ttl=1, backend="grpc")
+    table.commit(lease, 5, -0.5)
+    table.attach(lease)
+    clock.now += 10
+    assert table.expired() == []
+    assert table.get("r1").state is State.ATTACHED
+    assert table.pop("r1") is lease and table.pop("r1") is None
+
+
+# ---- faults ----
+def test_fault_config_from_env_and_bounds() -> None:
+    cfg = FaultConfig.from_env(
+        {"SPLITSERVE_FAULT_KV_FAIL_PROB": "0.25", "SPLITSERVE_FAULT_SEED": "3"}
+    )
+    assert cfg == FaultConfig(0.25, 0.0, 3) and cfg.enabled
+    assert not FaultConfig.from_env({}).enabled
+    with pytest.raises(ValueError, match="corrupt_prob"):
+        FaultConfig(corrupt_prob=1.5)
+    with pytest.raises(ValueError, match="SPLITSERVE_FAULT_KV_FAIL_PROB"):
+        FaultConfig.from_env({"SPLITSERVE_FAULT_KV_FAIL_PROB": "often"})
+
+
+def test_fault_injector_fails_and_corrupts_on_demand() -> None:
+    inj = FaultInjector(FaultConfig(fail_prob=1.0, corrupt_prob=1.0, seed=1))
+    with pytest.raises(InjectedFault, match="layer 3"):
+        inj.maybe_fail("layer 3")
+    data = bytes(range(50))
+    bad = inj.corrupt(data)
+    assert len(bad) == len(data) and sum(a != b for a, b in zip(bad, data, strict=True)) == 1
+    off = FaultInjector(FaultConfig())
+    off.maybe_fail("x")
+    assert not off.should_corrupt()
+
+
+# ---- registry ----
+def test_registry_refuses_duplicates_and_unknown_names() -> None:
+    assert {"grpc", "nixl"} <= set(transport.backend_names())
+    with pytest.raises(ValueError, match="already registered"):
+        transport.register_backend("grpc", "somewhere.else")
+    with pytest.raises(ValueError, match="unknown KV backend 'carrier-pigeon'"):
+        transport.create_sender_backend("carrier-pigeon", transport.BackendContext(compat=BASE))
+    with pytest.raises(ValueError, match="needs the pool"):
+        transport.create_receiver_backend("grpc", transport.BackendContext(compat=BASE))
+    assert transport.unavailable_reason("grpc") is None
