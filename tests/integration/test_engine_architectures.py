@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from splitserve_worker.engine import Engine, EngineConfig, SamplingParams
+from splitserve_worker.models import load_model
 from transformers import (
     MistralConfig,
     MistralForCausalLM,
@@ -16,9 +18,6 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
-
-from splitserve_worker.engine import Engine, EngineConfig, SamplingParams
-from splitserve_worker.models import load_model
 
 pytestmark = pytest.mark.integration
 

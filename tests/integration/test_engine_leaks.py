@@ -10,7 +10,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from splitserve_worker.engine import (
     Engine,
     EngineConfig,
@@ -82,9 +81,7 @@ def test_random_operations_leak_nothing(tiny: LoadedModel, ops: list[tuple], pre
     start = engine.kv.free_blocks
     ids: list[str] = []
     finished: set[str] = set()
-    n = 0
-    for o in ops:
-        n += 1
+    for n, o in enumerate(ops, start=1):
         rid = f"r{n}"
         kind = o[0]
         if kind == "add":

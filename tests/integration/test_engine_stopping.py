@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from splitserve_worker.engine import (
     Engine,
     EngineConfig,
