@@ -40,9 +40,6 @@ QUEUE_DEPTH = 16
 PUT_TIMEOUT_S = 60.0
 """Longest the engine thread waits for room on the queue before declaring the push dead."""
 
-# Received ``bytes`` are immutable; the tensor view over them is only ever read.
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
-
 
 class _Channels:
     """One channel per decode address, shared by every push to it."""
@@ -253,9 +250,11 @@ class GrpcReceiver:
                 "shape",
             )
         if n:
-            kv = torch.frombuffer(msg.data, dtype=self._pool.dtype).view(
-                2, n, self._pool.kv_heads, self._pool.head_dim
-            )
+            with warnings.catch_warnings():
+                # received bytes are immutable; the view over them is only ever read
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                flat = torch.frombuffer(msg.data, dtype=self._pool.dtype)
+            kv = flat.view(2, n, self._pool.kv_heads, self._pool.head_dim)
             self._pool.write(msg.layer, lease.block_ids, msg.start_token, kv[0], kv[1])
         self._leases.record(lease, msg.layer, msg.start_token, n, len(msg.data))
         if lease.complete:

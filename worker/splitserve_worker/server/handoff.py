@@ -62,6 +62,7 @@ class DecodeHandoff:
         self.address = address
         self._committed: dict[str, asyncio.Event] = {}
         self._busy: dict[str, int] = {}
+        self._background: set[asyncio.Future[int]] = set()
         self._bytes = metrics.counter(names.KV_TRANSFER_BYTES)
         self._failures = metrics.counter(names.KV_TRANSFER_FAILURES)
 
@@ -172,6 +173,7 @@ class DecodeHandoff:
         except LeaseError as e:
             raise RpcFailure(grpc.StatusCode.NOT_FOUND, str(e)) from None
         if msg.compat_hash != self.compat.hash:
+            self._drop_soon(lease.request_id, "compat")
             raise RpcFailure(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"KV stream compat hash {msg.compat_hash[:16] or '(none)'} differs from this "
@@ -186,6 +188,11 @@ class DecodeHandoff:
             )
         self._busy[lease.request_id] = self._busy.get(lease.request_id, 0) + 1
         return lease
+
+    def _drop_soon(self, request_id: str, reason: str) -> None:
+        task = asyncio.ensure_future(self.drop(request_id, reason))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _end_push(self, lease: Lease) -> None:
         n = self._busy.get(lease.request_id, 0) - 1

@@ -94,6 +94,7 @@ class PrefillRunner:
                 self.ctx.compat, compat_from_proto(handle.compat), peer=handle.decode_address
             )
         except CompatError as e:
+            await self._release_remote(handle, "incompatible KV caches")
             raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
         if handle.num_prompt_tokens != len(req.prompt_token_ids):
             raise RpcFailure(

@@ -1,0 +1,310 @@
+"""The KV handoff between in-process workers on 127.0.0.1: leases, compat, auth, faults.
+
+Each test starts real gRPC servers (prefill, decode, both) over engines running the tiny
+model, and drives them with the router's :class:`WorkerClient`. Token parity between
+worker *processes* is in ``test_kv_processes.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from splitserve.v1 import worker_pb2 as pb
+from splitserve.v1 import worker_pb2_grpc
+from splitserve_worker.kv.faults import FaultConfig
+from splitserve_worker.kv.transport import unavailable_reason
+from splitserve_worker.server.app import RunningWorker, start_worker
+from splitserve_worker.server.client import WorkerClient
+from splitserve_worker.server.config import WorkerConfig
+from splitserve_worker.server.wire import auth_metadata
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "test-token-1"
+NIXL_SKIP = unavailable_reason("nixl")
+os.environ.setdefault("UCX_TLS", "cma,tcp")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@asynccontextmanager
+async def workers(model: Path, *roles: str, **overrides: Any) -> AsyncIterator[list[RunningWorker]]:
+    from splitserve_worker.models import load_model
+
+    started: list[RunningWorker] = []
+    try:
+        for role in roles:
+            kw: dict[str, Any] = {"num_blocks": 400, "threads": 1, **overrides}
+            cfg = WorkerConfig(role=role, model=str(model), token=TOKEN, **kw)  # type: ignore[arg-type]
+            started.append(await start_worker(cfg, loaded=load_model(str(model))))
+        yield started
+    finally:
+        for w in started:
+            await w.stop(grace=0.2)
+
+
+def prompt_of(n: int, salt: int = 0) -> list[int]:
+    return [3 + (i * 31 + salt * 7) % 250 for i in range(n)]
+
+
+SP = pb.SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+async def collect(stream: AsyncIterator[pb.TokenChunk]) -> tuple[list[int], str]:
+    tokens: list[int] = []
+    reason = ""
+    async for c in stream:
+        tokens += list(c.token_ids)
+        reason = c.finish_reason or reason
+    return tokens, reason
+
+
+async def disaggregated(p: WorkerClient, d: WorkerClient, rid: str, prompt: list[int],
+                        backend: str = "grpc") -> tuple[list[int], pb.PrefillResponse]:  # fmt: skip
+    handle = await d.reserve(rid, len(prompt), kv_backend=backend)
+    gen = asyncio.ensure_future(collect(d.generate(rid, prompt, SP, expect_remote_kv=True)))
+    resp = await p.prefill(rid, prompt, SP, handle)
+    tokens, reason = await gen
+    assert reason == "length"
+    return tokens, resp
+
+
+async def wait_all_free(c: WorkerClient, timeout: float = 10.0) -> pb.HealthResponse:
+    deadline = time.monotonic() + timeout
+    while True:
+        h = await c.health()
+        if (h.free_blocks == h.total_blocks and h.leases == 0) or time.monotonic() > deadline:
+            return h
+        await asyncio.sleep(0.05)
+
+
+def clients(ws: list[RunningWorker]) -> list[WorkerClient]:
+    return [WorkerClient(w.address, TOKEN) for w in ws]
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["grpc", pytest.param("nixl", marks=[pytest.mark.nixl, pytest.mark.skipif(
+        NIXL_SKIP is not None, reason=NIXL_SKIP or "")])],
+)  # fmt: skip
+def test_disaggregated_tokens_match_colocated_in_process(
+    tiny_model_path: Path, backend: str
+) -> None:
+    async def scenario() -> None:
+        async with workers(tiny_model_path, "prefill", "decode", "both",
+                           kv_backend=backend, checksums=True) as ws:  # fmt: skip
+            p, d, b = clients(ws)
+            for n in (1, 16, 17, 700):
+                prompt = prompt_of(n, n)
+                ref, _ = await collect(b.generate(f"b{n}", prompt, SP))
+                got, resp = await disaggregated(p, d, f"r{n}", prompt, backend)
+                assert got == ref, n
+                assert resp.first_token == ref[0]
+                assert resp.bytes_sent == 4 * 2 * n * 2 * 16 * 4
+            for c in (p, d):
+                h = await wait_all_free(c)
+                assert h.free_blocks == h.total_blocks and h.leases == 0
+
+    asyncio.run(scenario())
+
+
+def test_expired_lease_frees_every_reserved_block(tiny_model_path: Path) -> None:
+    async def scenario() -> None:
+        async with workers(tiny_model_path, "decode") as ws:
+            (d,) = clients(ws)
+            total = (await d.health()).total_blocks
+            await d.reserve("a", 100, lease_seconds=0.3)
+            await d.reserve("b", 1000, lease_seconds=0.3)
+            h = await d.health()
+            assert h.free_blocks == total - 7 - 63 and h.leases == 2
+            gen = asyncio.ensure_future(collect(d.generate("a", prompt_of(100), SP,
+                                                           expect_remote_kv=True)))  # fmt: skip
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await gen
+            assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            h = await wait_all_free(d, 5.0)
+            assert (h.free_blocks, h.leases) == (total, 0)
+
+    asyncio.run(scenario())
+
+
+def test_release_and_cancel_free_a_reservation(tiny_model_path: Path) -> None:
+    async def scenario() -> None:
+        async with workers(tiny_model_path, "decode") as ws:
+            (d,) = clients(ws)
+            total = (await d.health()).total_blocks
+            await d.reserve("a", 40)
+            await d.reserve("b", 40)
+            r = await d.release("a", "test")
+            assert r.released and r.blocks_freed == 3
+            assert await d.cancel("b")
+            assert not await d.cancel("b")
+            h = await d.health()
+            assert (h.free_blocks, h.leases) == (total, 0)
+
+    asyncio.run(scenario())
+
+
+def test_compat_mismatch_is_refused_naming_the_difference(tiny_model_path: Path) -> None:
+    async def scenario() -> None:
+        async with workers(tiny_model_path, "prefill", "decode") as ws:
+            p, d = clients(ws)
+            mine = (await d.health()).compat
+            other = pb.CompatInfo()
+            other.CopyFrom(mine)
+            other.block_size, other.dtype, other.hash = 32, "bfloat16", "0" * 64
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await d.reserve("x", 10, compat=other)
+            assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert "block_size: this worker=16, the caller=32" in (e.value.details() or "")
+            assert "dtype: this worker='float32', the caller='bfloat16'" in (
+                e.value.details() or ""
+            )
+            assert (await d.health()).free_blocks == (await d.health()).total_blocks
+
+            # a handle from an incompatible decode worker: the prefill worker refuses it
+            handle = await d.reserve("y", 10, compat=mine)
+            handle.compat.head_dim, handle.compat.hash = 64, "1" * 64
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await p.prefill("y", prompt_of(10), SP, handle)
+            assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert "head_dim: this worker=16" in (e.value.details() or "")
+
+            # and the stream itself is checked again
+            handle = await d.reserve("z", 10)
+            async with grpc.aio.insecure_channel(ws[1].address) as ch:
+                stub = worker_pb2_grpc.WorkerStub(ch)
+
+                async def bad() -> AsyncIterator[pb.KVLayer]:
+                    yield pb.KVLayer(request_id="z", lease_id=handle.lease_id, layer=0,
+                                     num_tokens=0, compat_hash="deadbeef")  # fmt: skip
+
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.PushKV(bad(), metadata=auth_metadata(TOKEN))
+                assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+                assert "compat hash deadbeef differs" in (e.value.details() or "")
+            h = await wait_all_free(d)
+            assert h.free_blocks == h.total_blocks
+
+    asyncio.run(scenario())
+
+
+def test_calls_without_the_token_are_refused(tiny_model_path: Path) -> None:
+    async def scenario() -> None:
+        async with workers(tiny_model_path, "both") as ws:
+            for bad in ("", "wrong-token"):
+                c = WorkerClient(ws[0].address, bad)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await c.health()
+                assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await c.reserve("r", 10)
+                assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await collect(c.generate("g", prompt_of(5), SP))
+                assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
+                await c.close()
+            (good,) = clients(ws)
+            h = await good.health()
+            assert h.role == pb.ROLE_BOTH and h.free_blocks == h.total_blocks
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("fault", ["fail", "corrupt"])
+def test_injected_faults_fail_cleanly_and_leak_nothing(tiny_model_path: Path, fault: str) -> None:
+    faults = FaultConfig(fail_prob=1.0) if fault == "fail" else FaultConfig(corrupt_prob=1.0)
+
+    async def scenario() -> None:
+        from splitserve_worker.models import load_model
+
+        async with workers(tiny_model_path, "decode", checksums=True) as (dw,):
+            cfg = WorkerConfig(
+                role="prefill", model=str(tiny_model_path), token=TOKEN, num_blocks=400,
+                threads=1, checksums=True, faults=faults,
+            )  # fmt: skip
+            pw = await start_worker(cfg, loaded=load_model(str(tiny_model_path)))
+            try:
+                p, d = clients([pw, dw])
+                prompt = prompt_of(50)
+                handle = await d.reserve("f", len(prompt))
+                gen = asyncio.ensure_future(collect(d.generate("f", prompt, SP,
+                                                               expect_remote_kv=True)))  # fmt: skip
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await p.prefill("f", prompt, SP, handle)
+                want = "injected" if fault == "fail" else "checksum"
+                assert want in (e.value.details() or "")
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await gen
+                for c in (p, d):
+                    h = await wait_all_free(c)
+                    assert (h.free_blocks, h.leases) == (h.total_blocks, 0)
+            finally:
+                await pw.stop(grace=0.2)
+
+    asyncio.run(scenario())
+
+
+def test_roles_refuse_calls_they_do_not_serve(tiny_model_path: Path) -> None:
+    async def scenario() -> None:
+        async with workers(tiny_model_path, "prefill", "decode") as ws:
+            p, d = clients(ws)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await p.reserve("r", 10)
+            assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert "role is 'prefill'" in (e.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await d.prefill("r", prompt_of(10), SP, pb.TransferHandle())
+            assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await collect(d.generate("nope", prompt_of(10), SP, expect_remote_kv=True))
+            assert e.value.code() is grpc.StatusCode.NOT_FOUND
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await d.reserve("big", 10**6)
+            assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            tokens, reason = await collect(d.generate("local", prompt_of(10), SP))
+            assert len(tokens) == 8 and reason == "length"
+
+    asyncio.run(scenario())
+
+
+def test_events_stream_prefix_cache_stores(tiny_model_path: Path) -> None:
+    from splitserve_worker.engine.prefix_cache import block_hashes
+
+    prompt = prompt_of(40)
+    want = {h & 0xFFFFFFFFFFFFFFFF for h in block_hashes(prompt, 16)}
+    assert len(want) == 2
+
+    async def scenario() -> None:
+        async with workers(tiny_model_path, "both") as ws:
+            (b,) = clients(ws)
+            stored: set[int] = set()
+
+            async def listen() -> None:
+                async for ev in b.events():
+                    if ev.kind == pb.KVEvent.STORED:
+                        stored.update(ev.block_hashes)
+                    if want <= stored:
+                        return
+
+            task = asyncio.ensure_future(listen())
+            await asyncio.sleep(0.3)
+            await collect(b.generate("e", prompt, SP))
+            await asyncio.wait_for(task, 10)
+            assert want <= stored
+
+    asyncio.run(scenario())
