@@ -1,0 +1,204 @@
+"""The KV handoff between real ``splitserve worker`` processes on 127.0.0.1.
+
+A request prefilled in one worker process and decoded in another must give the same
+greedy tokens as the same request on one ``both`` worker, over ``grpc`` and ``nixl``;
+killing either side mid-way must leave no block held on the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+from splitserve.v1 import worker_pb2 as pb
+from splitserve_worker.kv.transport import unavailable_reason
+from splitserve_worker.server.client import WorkerClient
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+TOKEN = "process-token"
+NIXL_SKIP = unavailable_reason("nixl")
+SP = pb.SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@dataclass
+class Proc:
+    role: str
+    popen: subprocess.Popen[str]
+    address: str = ""
+    lines: list[str] = field(default_factory=list)
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait(timeout=10)
+
+
+def spawn(model: Path, role: str, *extra: str) -> Proc:
+    env = dict(os.environ, SPLITSERVE_WORKER_TOKEN=TOKEN, OMP_NUM_THREADS="1",
+               UCX_TLS="cma,tcp", UCX_NET_DEVICES="lo", TOKENIZERS_PARALLELISM="false")  # fmt: skip
+    cmd = [sys.executable, "-m", "splitserve_worker.cli", "worker", "--role", role,
+           "--model", str(model), "--port", "0", "--threads", "1", "--num-blocks", "600",
+           *extra]  # fmt: skip
+    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=env, stdin=subprocess.DEVNULL)  # fmt: skip
+    proc = Proc(role, popen)
+    ready = threading.Event()
+
+    def read() -> None:
+        assert popen.stdout is not None
+        for line in popen.stdout:
+            proc.lines.append(line.rstrip())
+            if line.startswith("READY ") and not ready.is_set():
+                proc.address = line.split()[1]
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(120) or not proc.address:
+        proc.kill()
+        raise AssertionError(f"{role} worker never printed READY:\n" + "\n".join(proc.lines[-30:]))
+    return proc
+
+
+@pytest.fixture(scope="module")
+def trio(tiny_model_path: Path) -> Iterator[dict[str, Proc]]:
+    backend = "grpc" if NIXL_SKIP else "nixl"
+    procs: dict[str, Proc] = {}
+    try:
+        for role in ("prefill", "decode", "both"):
+            procs[role] = spawn(tiny_model_path, role, "--kv-backend", backend, "--checksums")
+        yield procs
+    finally:
+        for p in procs.values():
+            p.popen.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def prompt_of(n: int) -> list[int]:
+    return [3 + (i * 37 + n) % 250 for i in range(n)]
+
+
+async def collect(stream: AsyncIterator[pb.TokenChunk]) -> list[int]:
+    out: list[int] = []
+    async for c in stream:
+        out += list(c.token_ids)
+    return out
+
+
+async def all_free(c: WorkerClient, timeout: float) -> pb.HealthResponse:
+    deadline = time.monotonic() + timeout
+    while True:
+        h = await c.health()
+        if (h.free_blocks == h.total_blocks and h.leases == 0) or time.monotonic() > deadline:
+            return h
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["grpc", pytest.param("nixl", marks=[pytest.mark.nixl, pytest.mark.skipif(
+        NIXL_SKIP is not None, reason=NIXL_SKIP or "")])],
+)  # fmt: skip
+def test_tokens_across_processes_match_one_both_worker(trio: dict[str, Proc], backend: str) -> None:
+    async def scenario() -> None:
+        p, d, b = (WorkerClient(trio[r].address, TOKEN) for r in ("prefill", "decode", "both"))
+        for n in (3, 40, 1000, 4000):
+            prompt = prompt_of(n)
+            ref = await collect(b.generate(f"ref-{backend}-{n}", prompt, SP))
+            rid = f"split-{backend}-{n}"
+            handle = await d.reserve(rid, n, kv_backend=backend)
+            assert handle.kv_backend == backend
+            gen = asyncio.ensure_future(collect(d.generate(rid, prompt, SP, expect_remote_kv=True)))
+            resp = await p.prefill(rid, prompt, SP, handle)
+            got = await gen
+            assert len(ref) == 12
+            assert got == ref, f"{backend} n={n}"
+            assert resp.first_token == ref[0]
+        for c in (p, d):
+            h = await all_free(c, 10)
+            assert (h.free_blocks, h.leases) == (h.total_blocks, 0)
+        for c in (p, d, b):
+            await c.close()
+
+    asyncio.run(scenario())
+
+
+def test_decode_killed_mid_transfer_leaves_prefill_holding_nothing(
+    trio: dict[str, Proc], tiny_model_path: Path
+) -> None:
+    victim = spawn(tiny_model_path, "decode")
+
+    async def scenario() -> None:
+        p = WorkerClient(trio["prefill"].address, TOKEN)
+        d = WorkerClient(victim.address, TOKEN)
+        prompt = prompt_of(4000)
+        handle = await d.reserve("doomed", len(prompt))
+        victim.popen.send_signal(signal.SIGSTOP)  # the push starts but is never acknowledged
+        try:
+            prefill = asyncio.ensure_future(p.prefill("doomed", prompt, SP, handle))
+            await asyncio.sleep(1.5)
+            assert not prefill.done()
+        finally:
+            victim.kill()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(prefill, 60)
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "push failed" in (e.value.details() or "")
+        h = await all_free(p, 10)
+        assert h.free_blocks == h.total_blocks
+        await p.close()
+        await d.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        victim.kill()
+
+
+def test_prefill_killed_mid_prefill_leaves_decode_holding_nothing(
+    trio: dict[str, Proc], tiny_model_path: Path
+) -> None:
+    victim = spawn(tiny_model_path, "prefill")
+
+    async def scenario() -> None:
+        p = WorkerClient(victim.address, TOKEN)
+        d = WorkerClient(trio["decode"].address, TOKEN)
+        prompt = prompt_of(4000)
+        before = await d.health()
+        handle = await d.reserve("orphan", len(prompt), kv_backend="grpc", lease_seconds=3)
+        held = await d.health()
+        assert held.free_blocks == before.free_blocks - 250 and held.leases == before.leases + 1
+        gen = asyncio.ensure_future(collect(d.generate("orphan", prompt, SP,
+                                                       expect_remote_kv=True)))  # fmt: skip
+        prefill = asyncio.ensure_future(p.prefill("orphan", prompt, SP, handle))
+        await asyncio.sleep(0.2)
+        victim.kill()
+        with pytest.raises(grpc.aio.AioRpcError):
+            await asyncio.wait_for(prefill, 30)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(gen, 30)
+        assert e.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED)
+        h = await all_free(d, 15)
+        assert (h.free_blocks, h.leases) == (h.total_blocks, 0)
+        await p.close()
+        await d.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        victim.kill()
