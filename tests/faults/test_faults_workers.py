@@ -1,0 +1,202 @@
+"""Workers fail while 50 requests are in flight; every request still ends, no block leaks.
+
+One stack (two prefill, three decode workers, the router; real processes on 127.0.0.1)
+goes through the faults in order: the router's connections to a decode worker are cut,
+a decode worker is frozen (SIGSTOP) past its lease and thawed, a prefill worker is
+killed mid-prefill, a decode worker is killed mid-transfer, another mid-stream. After
+each: no request hangs, each one completed with the right greedy tokens or ended with a
+clear error in the OpenAI shape, and every surviving worker is back to its starting
+free-block count with no lease, running or waiting request left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+N = 50
+MAX_TOKENS = 40
+BOUND_S = 45.0
+"""No request may take longer than this (lease 3 s, inter-token timeout 3 s, 3 retries)."""
+
+PREFILL = (0, 1)
+DECODE = (2, 3, 4)
+
+
+async def wait_for(pred: Callable[[], Awaitable[Any]], timeout: float, what: str) -> Any:
+    """Polls ``pred`` until it returns something truthy, which it returns."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = await pred()
+        if got:
+            return got
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def check(outcomes: list[Any], expected: list[list[int]], kit: Any) -> int:
+    """Asserts the promises; returns how many requests completed."""
+    hung = [o.index for o in outcomes if o.hung]
+    assert not hung, f"requests {hung} hung past {BOUND_S} s: {kit.describe(outcomes)}"
+    done = 0
+    for o in outcomes:
+        if o.completed:
+            assert o.tokens == expected[o.index], f"request {o.index} got wrong tokens"
+            done += 1
+        else:
+            assert o.error, f"request {o.index} ended without tokens or an error: {o}"
+            err = (o.error_body or {}).get("error", {})
+            assert err.get("message") and err.get("type"), f"not an OpenAI error: {o}"
+    return done
+
+
+async def scenario(
+    stack: Any, kit: Any, model: Path, salt: int, fault: Callable[[], Awaitable[None]]
+) -> tuple[list[Any], dict[int, Any], dict[int, int]]:
+    prompts = [kit.prompt_of(salt * 1000 + i) for i in range(N)]
+    expected = await asyncio.to_thread(kit.reference_tokens, model, prompts, MAX_TOKENS)
+    await stack.wait_router_sees(stack.survivors())
+    base = await stack.baseline_of(stack.survivors())
+    run = asyncio.create_task(kit.many_requests(stack, prompts, MAX_TOKENS, BOUND_S))
+    try:
+        await fault()
+    finally:
+        outcomes = await run
+    done = check(outcomes, expected, kit)
+    settled = await stack.wait_settled(base)
+    for i, h in settled.items():
+        assert (h.free_blocks, h.leases, h.running, h.waiting) == (base[i], 0, 0, 0), (
+            f"worker {i} ({stack.roles[i].value}) still holds something: free "
+            f"{h.free_blocks}/{base[i]}, leases {h.leases}, running {h.running}, "
+            f"waiting {h.waiting}"
+        )
+    assert set(settled) == set(stack.survivors()), "a surviving worker stopped answering Health"
+    return outcomes, settled, {"done": done}
+
+
+def test_router_connection_to_a_decode_worker_dropped(
+    fault_stack: Any, kit: Any, tiny_model_path: Path
+) -> None:
+    s = fault_stack
+    d = DECODE[0]
+
+    async def fault() -> None:
+        await wait_for(lambda: _running(s, d), 20, "a request streaming on the decode worker")
+        assert s.relays[d].drop() > 0
+
+    async def go() -> None:
+        outs, _, n = await scenario(s, kit, tiny_model_path, 1, fault)
+        assert n["done"] == N, kit.describe(outs)
+
+    asyncio.run(go())
+
+
+def test_decode_worker_frozen_past_its_lease(
+    fault_stack: Any, kit: Any, tiny_model_path: Path
+) -> None:
+    s = fault_stack
+    d = DECODE[1]
+
+    async def fault() -> None:
+        await wait_for(lambda: _running(s, d), 20, "a request streaming on the decode worker")
+        s.freeze(d)
+        await asyncio.sleep(2 * kit.lease_s + 1)
+        s.thaw(d)
+
+    async def go() -> None:
+        outs, _, n = await scenario(s, kit, tiny_model_path, 2, fault)
+        assert n["done"] == N, kit.describe(outs)
+        assert d in s.survivors()
+
+    asyncio.run(go())
+
+
+def test_prefill_worker_killed_mid_prefill(
+    fault_stack: Any, kit: Any, tiny_model_path: Path
+) -> None:
+    s = fault_stack
+    p = PREFILL[0]
+
+    async def fault() -> None:
+        await wait_for(lambda: _leases(s, DECODE), 20, "a handoff in progress")
+        s.kill(p)
+
+    async def go() -> None:
+        before = await kit.router_metric(s, "splitserve_router_retries_total")
+        outs, _, n = await scenario(s, kit, tiny_model_path, 3, fault)
+        assert n["done"] == N, kit.describe(outs)
+        after = await kit.router_metric(s, "splitserve_router_retries_total")
+        assert sum(after.values()) > sum(before.values()), "no request was retried"
+
+    asyncio.run(go())
+
+
+def test_decode_worker_killed_mid_transfer(
+    fault_stack: Any, kit: Any, tiny_model_path: Path
+) -> None:
+    s = fault_stack
+    killed: list[int] = []
+
+    async def fault() -> None:
+        d = await wait_for(lambda: _leases(s, DECODE), 20, "a reservation on a decode worker")
+        s.kill(d)
+        killed.append(d)
+
+    async def go() -> None:
+        outs, _, n = await scenario(s, kit, tiny_model_path, 4, fault)
+        assert n["done"] == N, kit.describe(outs)
+        assert killed and killed[0] not in s.survivors()
+
+    asyncio.run(go())
+
+
+def test_decode_worker_killed_mid_stream(fault_stack: Any, kit: Any, tiny_model_path: Path) -> None:
+    s = fault_stack
+    live = [i for i in DECODE if i in s.survivors()]
+    assert len(live) >= 2, "an earlier scenario left fewer than two decode workers"
+
+    async def fault() -> None:
+        async def busy() -> int | None:
+            for i in live:
+                if await _running(s, i, 5):
+                    return i + 1  # truthy even for index 0
+            return None
+
+        d = await wait_for(busy, 20, "requests streaming on a decode worker") - 1
+        s.kill(d)
+
+    async def go() -> None:
+        before = await kit.router_metric(s, "splitserve_router_retries_total")
+        outs, _, n = await scenario(s, kit, tiny_model_path, 5, fault)
+        assert n["done"] == N, kit.describe(outs)
+        after = await kit.router_metric(s, "splitserve_router_retries_total")
+        migrated = after.get('{reason="migrate"}', 0) - before.get('{reason="migrate"}', 0)
+        assert migrated > 0, f"no request migrated: {after}"
+
+    asyncio.run(go())
+
+
+async def _running(s: Any, i: int, at_least: int = 1) -> bool:
+    try:
+        return (await s.health(i)).running >= at_least
+    except Exception:
+        return False
+
+
+async def _leases(s: Any, workers: tuple[int, ...]) -> int | None:
+    """A worker of ``workers`` holding a reservation now (a handoff in flight), if any."""
+    for i in workers:
+        if i in s.survivors():
+            try:
+                if (await s.health(i)).leases > 0:
+                    return i
+            except Exception:
+                continue
+    return None
