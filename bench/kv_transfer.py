@@ -90,14 +90,13 @@ def _kv_receiver(backend: str, q_out: Any, q_in: Any) -> None:
 
 async def _kv_receiver_async(backend: str, q_out: Any, q_in: Any) -> None:
     import grpc
-    from splitserve.v1 import worker_pb2_grpc
     from splitserve_worker.kv.layout import PoolView
     from splitserve_worker.kv.lease import LeaseTable
     from splitserve_worker.kv.transport import BackendContext, create_receiver_backend
     from splitserve_worker.metrics.registry import Metrics
     from splitserve_worker.server.auth import TokenAuthInterceptor
     from splitserve_worker.server.handoff import DecodeHandoff
-    from splitserve_worker.server.service import WorkerService
+    from splitserve_worker.server.service import WorkerService, add_to_server
     from splitserve_worker.server.wire import SERVER_OPTIONS
 
     pool = _pool()
@@ -110,7 +109,7 @@ async def _kv_receiver_async(backend: str, q_out: Any, q_in: Any) -> None:
     server = grpc.aio.server(interceptors=[TokenAuthInterceptor(TOKEN)], options=SERVER_OPTIONS)
     service = WorkerService(role="decode", engine=None, compat=ctx.compat, handoff=handoff,
                             prefill=None, events=None, kv_backends=[backend])  # type: ignore[arg-type]  # fmt: skip
-    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    add_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     blocks = list(range(TOKENS // BLOCK))[::-1]  # scattered order: real block tables are

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import filecmp
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,18 +18,24 @@ GENERATED = ("worker_pb2.py", "worker_pb2_grpc.py", "worker_pb2.pyi")
 
 
 def test_generated_code_is_fresh(tmp_path: Path) -> None:
-    protoc = pytest.importorskip("grpc_tools.protoc", reason="grpcio-tools is a [test] extra")
-    rc = protoc.main(
+    pytest.importorskip("grpc_tools", reason="grpcio-tools is a [test] extra")
+    # in its own process: the compiler extension must not share one with torch and grpc
+    done = subprocess.run(
         [
+            sys.executable,
+            "-m",
             "grpc_tools.protoc",
             f"-I{PROTO_ROOT}",
             f"--python_out={tmp_path}",
             f"--pyi_out={tmp_path}",
             f"--grpc_python_out={tmp_path}",
             str(PROTO_ROOT / PROTO),
-        ]
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    assert rc == 0, "protoc failed on the committed worker.proto"
+    assert done.returncode == 0, f"protoc failed on the committed worker.proto: {done.stderr}"
     stale = [
         name
         for name in GENERATED

@@ -1,13 +1,14 @@
 """The ``grpc`` KV backend: layers streamed over a client-streaming ``PushKV`` call.
 
-Prefill side: ``send_layer`` cuts each layer into spans of about 1 MiB, copies each span's
-K then V into one ``bytes`` (the only copy before the wire) and puts it on a bounded
-queue; gRPC's own thread drains the queue into the stream, so the push overlaps the next
-layer's compute and a slow receiver holds the engine back instead of buffering without
-bound.
+Prefill side: ``send_layer`` copies the layer's K and V once (a torch copy, off the
+GIL) and queues spans of about 1 MiB on a bounded queue; gRPC's own sending thread drains
+the queue, building each wire message in one pass (:mod:`.kvwire`), so the push overlaps
+the next layer's compute, and a slow receiver holds the engine back instead of buffering
+without bound.
 
-Decode side: each message is viewed in place with ``torch.frombuffer`` and copied once,
-by slot index, into the reserved blocks of the pool (:meth:`GrpcReceiver.write`).
+Decode side: each message is parsed without copying its payload (:func:`kvwire.decode`),
+viewed in place with ``torch.frombuffer`` and copied once, by slot index, into the
+reserved blocks of the pool (:meth:`GrpcReceiver.write`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import time
 import warnings
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import grpc
 import torch
-from splitserve.v1 import worker_pb2, worker_pb2_grpc
+from splitserve.v1 import worker_pb2
 
+from splitserve_worker.kv import kvwire
 from splitserve_worker.kv.faults import FaultInjector, InjectedFault
 from splitserve_worker.kv.layout import PoolView, as_bytes, token_chunks
 from splitserve_worker.kv.lease import Lease, LeaseTable
@@ -41,6 +44,22 @@ PUT_TIMEOUT_S = 60.0
 """Longest the engine thread waits for room on the queue before declaring the push dead."""
 
 
+PUSH_METHOD = "/splitserve.v1.Worker/PushKV"
+
+
+@dataclass
+class _Out:
+    """One message waiting for the wire: its header and the K / V byte views."""
+
+    span: kvwire.KVSpan
+    parts: tuple[memoryview | bytes, ...]
+
+
+def _serialize(out: _Out) -> bytes:
+    # runs on gRPC's sending thread: the one copy that builds the wire message
+    return kvwire.encode(out.span, out.parts)
+
+
 class _Channels:
     """One channel per decode address, shared by every push to it."""
 
@@ -48,13 +67,17 @@ class _Channels:
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
 
-    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+    def push_method(self, address: str) -> grpc.StreamUnaryMultiCallable:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
                 ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
                 self._channels[address] = ch
-        return worker_pb2_grpc.WorkerStub(ch)
+        return ch.stream_unary(
+            PUSH_METHOD,
+            request_serializer=_serialize,
+            response_deserializer=worker_pb2.PushKVAck.FromString,
+        )
 
     def close(self) -> None:
         with self._lock:
@@ -65,12 +88,12 @@ class _Channels:
 
 class GrpcSender:
     def __init__(
-        self, target: TransferTarget, ctx: BackendContext, stub: worker_pb2_grpc.WorkerStub
+        self, target: TransferTarget, ctx: BackendContext, push: grpc.StreamUnaryMultiCallable
     ) -> None:
         self._t = target
         self._ctx = ctx
         self._faults = FaultInjector(ctx.faults)
-        self._queue: queue.Queue[worker_pb2.KVLayer | None] = queue.Queue(QUEUE_DEPTH)
+        self._queue: queue.Queue[_Out | None] = queue.Queue(QUEUE_DEPTH)
         self._closed = threading.Event()
         self._error: str | None = None
         self._reason = "error"
@@ -80,11 +103,11 @@ class GrpcSender:
         timeout = (
             max(5.0, target.deadline_unix - time.time() + 5.0) if target.deadline_unix else 600
         )
-        self._future = stub.PushKV.future(
+        self._future = push.future(
             self._messages(), metadata=auth_metadata(ctx.token), timeout=timeout
         )
 
-    def _messages(self) -> Iterator[worker_pb2.KVLayer]:
+    def _messages(self) -> Iterator[_Out]:
         while True:
             try:
                 item = self._queue.get(timeout=0.05)
@@ -112,18 +135,18 @@ class GrpcSender:
         if not self.stats.first_send:
             self.stats.first_send = time.monotonic()
         n = int(k.shape[0])
-        kb, vb = as_bytes(k), as_bytes(v)
+        # one copy (torch, without the GIL): K then V of this span, ours to keep
+        kv = torch.stack([k.detach(), v.detach()]).cpu()
         if self._crc:
-            self._crc[2 * layer] = zlib.crc32(kb, self._crc[2 * layer])
-            self._crc[2 * layer + 1] = zlib.crc32(vb, self._crc[2 * layer + 1])
-        per_token = len(kb) // n if n else 1
+            self._crc[2 * layer] = zlib.crc32(as_bytes(kv[0]), self._crc[2 * layer])
+            self._crc[2 * layer + 1] = zlib.crc32(as_bytes(kv[1]), self._crc[2 * layer + 1])
+        per_token = kv[0, :1].numel() * kv.element_size()
         starts = token_chunks(n, 2 * per_token)
         corrupt = self._faults.should_corrupt()
         for i, s in enumerate(starts):
             end = starts[i + 1] if i + 1 < len(starts) else n
-            lo, hi = s * per_token, end * per_token
-            data = b"".join((kb[lo:hi], vb[lo:hi]))
-            msg = worker_pb2.KVLayer(
+            kb, vb = as_bytes(kv[0, s:end]), as_bytes(kv[1, s:end])
+            span = kvwire.KVSpan(
                 request_id=self._t.request_id,
                 lease_id=self._t.lease_id,
                 layer=layer,
@@ -132,21 +155,23 @@ class GrpcSender:
                 compat_hash=self._t.compat_hash,
             )
             if self._ctx.checksums:
-                msg.crc32 = zlib.crc32(data)
-            msg.data = self._faults.corrupt(data) if corrupt and i == 0 else data
-            if not self._put(msg):
+                span.crc32 = zlib.crc32(vb, zlib.crc32(kb))
+            parts: tuple[memoryview | bytes, ...] = (kb, vb)
+            if corrupt and i == 0:
+                parts = (self._faults.corrupt(bytes(kb)), vb)
+            if not self._put(_Out(span, parts)):
                 return
-            self.stats.bytes_sent += len(data)
+            self.stats.bytes_sent += len(kb) + len(vb)
         self.stats.layers_sent = max(self.stats.layers_sent, layer + 1)
 
-    def _put(self, msg: worker_pb2.KVLayer) -> bool:
+    def _put(self, out: _Out) -> bool:
         deadline = time.monotonic() + PUT_TIMEOUT_S
         while time.monotonic() < deadline:
             if self._future.done():
                 self._fail(f"the decode worker ended the KV stream: {self._describe()}", "stream")
                 return False
             try:
-                self._queue.put(msg, timeout=0.05)
+                self._queue.put(out, timeout=0.05)
                 return True
             except queue.Full:
                 continue
@@ -155,7 +180,7 @@ class GrpcSender:
 
     def _describe(self) -> str:
         try:
-            exc = self._future.exception(timeout=0)
+            exc = self._future.exception() if self._future.done() else None
         except grpc.FutureCancelledError:
             return "cancelled"
         except grpc.FutureTimeoutError:
@@ -211,7 +236,7 @@ class GrpcSenderBackend:
         self._channels = _Channels()
 
     def open(self, target: TransferTarget) -> GrpcSender:
-        return GrpcSender(target, self._ctx, self._channels.stub(target.decode_address))
+        return GrpcSender(target, self._ctx, self._channels.push_method(target.decode_address))
 
     def close(self) -> None:
         self._channels.close()
@@ -232,9 +257,9 @@ class GrpcReceiver:
     def backend_metadata(self) -> bytes:
         return b""
 
-    def write(self, lease: Lease, msg: worker_pb2.KVLayer) -> None:
+    def write(self, lease: Lease, msg: kvwire.KVSpan) -> None:
         """Check and place one span. Raises TransferError (reason ``checksum``/``shape``)."""
-        if msg.HasField("crc32") and zlib.crc32(msg.data) != msg.crc32:
+        if msg.crc32 is not None and zlib.crc32(msg.data) != msg.crc32:
             raise TransferError(
                 f"KV layer {msg.layer} tokens {msg.start_token}+{msg.num_tokens} of request "
                 f"{msg.request_id!r} failed its checksum",

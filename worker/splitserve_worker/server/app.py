@@ -10,7 +10,6 @@ from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
-from splitserve.v1 import worker_pb2_grpc
 
 from splitserve_worker.kv.compat import Compat
 from splitserve_worker.kv.layout import PoolView
@@ -26,7 +25,7 @@ from splitserve_worker.server.config import WorkerConfig
 from splitserve_worker.server.events import EventHub
 from splitserve_worker.server.handoff import DecodeHandoff
 from splitserve_worker.server.prefill import PrefillRunner
-from splitserve_worker.server.service import WorkerService
+from splitserve_worker.server.service import WorkerService, add_to_server
 from splitserve_worker.server.wire import SERVER_OPTIONS
 
 
@@ -126,7 +125,7 @@ async def start_worker(config: WorkerConfig, *, loaded: Any = None) -> RunningWo
         events=events,
         kv_backends=kv_backends,
     )
-    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    add_to_server(service, server)
     await server.start()
     tasks = [asyncio.create_task(events.poll_forever(), name="kv-events")]
     if handoff is not None:

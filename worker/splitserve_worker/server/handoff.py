@@ -22,6 +22,7 @@ from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.kv import compat as compat_mod
 from splitserve_worker.kv.compat import Compat, CompatError
 from splitserve_worker.kv.grpc_backend import GrpcReceiver
+from splitserve_worker.kv.kvwire import KVSpan
 from splitserve_worker.kv.layout import PoolView, as_bytes
 from splitserve_worker.kv.lease import Lease, LeaseError, LeaseTable, State
 from splitserve_worker.kv.transport import ReceiverBackend, TransferError
@@ -132,7 +133,7 @@ class DecodeHandoff:
         assert isinstance(r, GrpcReceiver)
         return r
 
-    async def push(self, messages: AsyncIterator[pb.KVLayer]) -> pb.PushKVAck:
+    async def push(self, messages: AsyncIterator[KVSpan]) -> pb.PushKVAck:
         lease: Lease | None = None
         try:
             async for msg in messages:
@@ -167,7 +168,7 @@ class DecodeHandoff:
             layers_received=lease.layers_complete, bytes_received=lease.bytes_received
         )
 
-    def _open_push(self, msg: pb.KVLayer) -> Lease:
+    def _open_push(self, msg: KVSpan) -> Lease:
         try:
             lease = self.leases.get(msg.request_id, msg.lease_id)
         except LeaseError as e:

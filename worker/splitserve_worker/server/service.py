@@ -17,6 +17,7 @@ from splitserve.v1 import worker_pb2_grpc
 
 from splitserve_worker import __version__
 from splitserve_worker.kv.compat import Compat
+from splitserve_worker.kv.kvwire import KVSpan
 from splitserve_worker.server.convert import (
     chunk_from_output,
     compat_to_proto,
@@ -125,9 +126,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return pb.ReleaseResponse(released=held or freed > 0, blocks_freed=freed)
 
     @_unary
-    async def PushKV(
-        self, request_iterator: AsyncIterator[pb.KVLayer], context: Any
-    ) -> pb.PushKVAck:
+    async def PushKV(self, request_iterator: AsyncIterator[KVSpan], context: Any) -> pb.PushKVAck:
         return await self._decode().push(request_iterator)
 
     @_unary
@@ -193,3 +192,32 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[pb.KVEvent]:
         async for ev in self.events.subscribe():
             yield ev
+
+
+def add_to_server(service: WorkerService, server: grpc.aio.Server) -> None:
+    """Register every method of ``splitserve.v1.Worker`` like the generated code does, but
+    decode PushKV messages with :func:`kvwire.decode` (payload as a view, not a copy)."""
+    from splitserve_worker.kv import kvwire
+
+    desc = pb.DESCRIPTOR.services_by_name["Worker"]
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    for m in desc.methods:
+        request_cls = getattr(pb, m.input_type.name)
+        response_cls = getattr(pb, m.output_type.name)
+        deserialize = kvwire.decode if m.name == "PushKV" else request_cls.FromString
+        make = kinds[(m.client_streaming, m.server_streaming)]
+        handlers[m.name] = make(
+            getattr(service, m.name),
+            request_deserializer=deserialize,
+            response_serializer=response_cls.SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(desc.full_name, handlers),)
+    )
+    server.add_registered_method_handlers(desc.full_name, handlers)

@@ -1,0 +1,137 @@
+"""``KVLayer`` on the wire without protobuf's extra copies of the payload.
+
+The bytes are exactly the protobuf encoding of ``splitserve.v1.KVLayer`` (any protobuf
+peer can read or write them), but :func:`encode` assembles the message in one pass from
+the K and V buffers (one copy: the one that makes the wire bytes), and :func:`decode`
+returns the payload as a ``memoryview`` into the received message (no copy), so the
+receiver copies each byte once, into the reserved blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field as dc_field
+
+# field numbers of splitserve.v1.KVLayer
+_REQUEST_ID, _LEASE_ID, _LAYER, _START, _NUM_TOKENS, _DATA, _CRC32, _COMPAT = range(1, 9)
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+
+
+class WireError(ValueError):
+    """The bytes are not a well-formed KVLayer message."""
+
+
+@dataclass
+class KVSpan:
+    """One decoded ``KVLayer``: the same field names, ``data`` a view, ``crc32`` or None."""
+
+    request_id: str = ""
+    lease_id: str = ""
+    layer: int = 0
+    start_token: int = 0
+    num_tokens: int = 0
+    data: memoryview = dc_field(default_factory=lambda: memoryview(b""))
+    crc32: int | None = None
+    compat_hash: str = ""
+
+
+def _varint(n: int) -> bytes:
+    if n < 0:
+        n += 1 << 64
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _key(num: int, wire: int) -> bytes:
+    return _varint((num << 3) | wire)
+
+
+def encode(span: KVSpan, parts: Sequence[memoryview | bytes] = ()) -> bytes:
+    """The KVLayer bytes of ``span`` with ``data`` = the concatenation of ``parts``
+    (``span.data`` when no parts are given)."""
+    payload = list(parts) if parts else [span.data]
+    head = bytearray()
+    for num, text in ((_REQUEST_ID, span.request_id), (_LEASE_ID, span.lease_id),
+                        (_COMPAT, span.compat_hash)):  # fmt: skip
+        if text:
+            raw = text.encode()
+            head += _key(num, _LEN) + _varint(len(raw)) + raw
+    for num, n in ((_LAYER, span.layer), (_START, span.start_token),
+                     (_NUM_TOKENS, span.num_tokens)):  # fmt: skip
+        if n:
+            head += _key(num, _VARINT) + _varint(n)
+    if span.crc32 is not None:
+        head += _key(_CRC32, _VARINT) + _varint(span.crc32)
+    size = sum(len(p) for p in payload)
+    if size:
+        head += _key(_DATA, _LEN) + _varint(size)
+    return b"".join([bytes(head), *payload])
+
+
+def _read_varint(buf: memoryview, i: int) -> tuple[int, int]:
+    shift = n = 0
+    while True:
+        if i >= len(buf) or shift > 63:
+            raise WireError("truncated or overlong varint")
+        b = buf[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return n, i
+        shift += 7
+
+
+def _signed32(n: int) -> int:
+    n &= (1 << 64) - 1
+    return n - (1 << 64) if n >= 1 << 63 else n
+
+
+def decode(raw: bytes) -> KVSpan:
+    """Parse KVLayer bytes; unknown fields are skipped, as protobuf does."""
+    buf = memoryview(raw)
+    span = KVSpan()
+    i = 0
+    while i < len(buf):
+        key, i = _read_varint(buf, i)
+        field, wire = key >> 3, key & 7
+        if wire == _VARINT:
+            n, i = _read_varint(buf, i)
+            if field == _LAYER:
+                span.layer = _signed32(n)
+            elif field == _START:
+                span.start_token = _signed32(n)
+            elif field == _NUM_TOKENS:
+                span.num_tokens = _signed32(n)
+            elif field == _CRC32:
+                span.crc32 = n & 0xFFFFFFFF
+        elif wire == _LEN:
+            size, i = _read_varint(buf, i)
+            if i + size > len(buf):
+                raise WireError(f"field {field} runs past the end of the message")
+            value = buf[i : i + size]
+            i += size
+            if field == _DATA:
+                span.data = value
+            elif field == _REQUEST_ID:
+                span.request_id = bytes(value).decode()
+            elif field == _LEASE_ID:
+                span.lease_id = bytes(value).decode()
+            elif field == _COMPAT:
+                span.compat_hash = bytes(value).decode()
+        elif wire == _I64:
+            i += 8
+        elif wire == _I32:
+            i += 4
+        else:
+            raise WireError(f"unsupported wire type {wire} for field {field}")
+    if i != len(buf):
+        raise WireError("truncated message")
+    return span
