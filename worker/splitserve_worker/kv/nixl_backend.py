@@ -332,6 +332,10 @@ class NixlSender:
         except InjectedFault as e:
             self.fail(str(e), "injected")
             return
+        if self._t.deadline_unix and time.time() >= self._t.deadline_unix:
+            # the decode side may already reuse these blocks: never write after the lease
+            self.fail(f"the lease of request {self._t.request_id!r} expired", "lease_expired")
+            return
         if not self.stats.first_send:
             self.stats.first_send = time.monotonic()
         try:
