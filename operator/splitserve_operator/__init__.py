@@ -1,0 +1,1 @@
+"""splitserve operator: reconciles InferenceServices; pure render, planner and simulator cores."""

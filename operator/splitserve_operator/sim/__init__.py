@@ -1,0 +1,137 @@
+"""A discrete-event simulator of splitserve's router and pools, with a roofline cost model.
+
+Pure Python plus numpy: no kopf, kubernetes, grpc or torch. Used by
+``splitserve advise`` (should this model and workload disaggregate, and with
+what prefill:decode ratio?), by the planner's closed-loop bench, and by tests.
+
+Modules
+-------
+``hardware``     GPU kinds (``h100``, ``h200``, ``a100``, ``l40s``) and KV links
+                 (``pcie4``, ``pcie5``, ``roce400``, ``nvlink``).
+``model_spec``   :class:`ModelSpec` from a Hugging Face ``config.json``: FLOPs per
+                 token, weight bytes, KV bytes per token; shipped configs by name.
+``cost``         :class:`CostModel` (Protocol), :class:`RooflineCost`,
+                 :class:`MeasuredCost`, KV transfer timing (layer-wise or not).
+``workload``     :class:`Workload`, :class:`Request`, Poisson synthetic workloads.
+``traces``       Mooncake JSONL and Azure CSV replay (and writers).
+``config``       :class:`SimConfig` (pools, replicas, link, chunk size, ...),
+                 :func:`roofline_config`.
+``instances``    prefill, decode and colocated engine instances.
+``simulator``    :class:`Simulator`: event loop, router, resizable pools, windows.
+``metrics``      :class:`Window` observations, :class:`SimResult`.
+``goodput``      goodput search and the best prefill:decode split.
+``advise``       the logic behind ``splitserve advise``.
+
+Model of the system
+-------------------
+- Colocated: ``both`` instances run vLLM-style chunked prefill: each step
+  carries every running decode plus prompt chunks up to ``chunk_size`` tokens.
+- Disaggregated: prefill instances batch queued prompts (up to
+  ``max_prefill_tokens``) and push the KV over the link (FIFO per instance,
+  ``links_per_instance`` links in parallel, layer-wise overlap optional); the
+  first token reaches the client when the KV has landed
+  (``first_token_after_transfer``); decode instances run continuous batching.
+- The router sends a new request to the active instance with the fewest
+  pending prompt tokens minus its prefix-cache hit (Mooncake ``hash_ids``), and
+  a landed KV to the decode instance with the least KV reserved.
+- TTFT = first token - arrival; TPOT = (last token - first token) / (output - 1);
+  a request attains the SLO when both are within target.
+
+Closed loop (the planner's API)
+-------------------------------
+::
+
+    from splitserve_operator.sim import Simulator, roofline_config, Mode, Slo, poisson
+    from splitserve_operator.sim import load_model_spec, get_gpu, get_link
+
+    cfg = roofline_config(load_model_spec("llama-3.1-8b"), Mode.DISAGGREGATED,
+                          get_gpu("h100"), link=get_link("roce400"),
+                          prefill=2, decode=2, startup_s=30.0)
+    sim = Simulator(cfg, workload, slo=Slo(ttft_s=1.0, tpot_s=0.05))
+    t = 0.0
+    while not sim.done:
+        t += 30.0
+        w = sim.run_until(t)          # -> Window for (t - 30, t]
+        # w.ttft.p90, w.tpot.p90, w.request_rate, w.input_token_rate,
+        # w.output_token_rate, w.slo_attainment, w.gpus, w.gpu_seconds,
+        # w.pools["prefill"].queue / .queue_tokens / .busy_fraction,
+        # w.pools["decode"].kv_utilization / .queue / .running, ...
+        sim.set_replicas(prefill=..., decode=...)   # or both=... when colocated
+    result = sim.result()             # whole-run percentiles, GPU-seconds
+
+- ``Simulator.run_until(t)`` processes every event up to ``t`` and returns the
+  :class:`Window` since the previous call (``observe()`` does the same without
+  advancing). Percentiles are ``None`` in a window with no samples.
+- ``Simulator.set_replicas(prefill=, decode=, both=)`` takes effect at the
+  current time: new instances take work after ``SimConfig.startup_s``; removed
+  ones are starting ones first (gone at once), then the least loaded active
+  ones, which drain (no new work, finish what they hold) before their GPUs are
+  released. GPU-seconds count every instance from its adding to its going.
+- ``Simulator.replicas(role)``, ``.gpus()``, ``.gpu_seconds()``, ``.done``,
+  ``.now``.
+- A workload can be any iterable of :class:`Request` in arrival order, so a
+  planner bench can generate traffic lazily (e.g. a diurnal rate).
+"""
+
+from splitserve_operator.sim.config import (
+    ConfigError,
+    Mode,
+    PoolConfig,
+    Role,
+    SimConfig,
+    Slo,
+    pick_tp,
+    roofline_config,
+    roofline_pool,
+)
+from splitserve_operator.sim.cost import (
+    CostModel,
+    MeasuredCost,
+    RooflineCost,
+    exposed_transfer_s,
+    transfer_end,
+)
+from splitserve_operator.sim.hardware import GPUS, LINKS, GpuSpec, LinkSpec, get_gpu, get_link
+from splitserve_operator.sim.metrics import Percentiles, PoolObservation, SimResult, Window
+from splitserve_operator.sim.model_spec import ModelSpec, known_models, load_model_spec
+from splitserve_operator.sim.simulator import Simulator
+from splitserve_operator.sim.traces import load_azure, load_mooncake, load_trace
+from splitserve_operator.sim.workload import Request, Workload, parse_length, poisson
+
+__all__ = [
+    "GPUS",
+    "LINKS",
+    "ConfigError",
+    "CostModel",
+    "GpuSpec",
+    "LinkSpec",
+    "MeasuredCost",
+    "Mode",
+    "ModelSpec",
+    "Percentiles",
+    "PoolConfig",
+    "PoolObservation",
+    "Request",
+    "Role",
+    "RooflineCost",
+    "SimConfig",
+    "SimResult",
+    "Simulator",
+    "Slo",
+    "Window",
+    "Workload",
+    "exposed_transfer_s",
+    "get_gpu",
+    "get_link",
+    "known_models",
+    "load_azure",
+    "load_model_spec",
+    "load_mooncake",
+    "load_trace",
+    "parse_length",
+    "pick_tp",
+    "poisson",
+    "roofline_config",
+    "roofline_pool",
+    "transfer_end",
+]
