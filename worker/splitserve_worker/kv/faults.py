@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -54,10 +55,23 @@ class FaultConfig:
         return cls(prob(ENV_FAIL), prob(ENV_CORRUPT), int(seed_raw) if seed_raw else None)
 
 
+_SEEDED: dict[int, random.Random] = {}
+_SEEDED_LOCK = threading.Lock()
+
+
+def _rng_for(seed: int | None) -> random.Random:
+    """One stream per seed for the whole process: each transfer opens its own injector, and
+    a fresh ``Random(seed)`` per transfer would repeat the same faults on every request."""
+    if seed is None:
+        return random.Random()
+    with _SEEDED_LOCK:
+        return _SEEDED.setdefault(seed, random.Random(seed))
+
+
 class FaultInjector:
     def __init__(self, config: FaultConfig) -> None:
         self.config = config
-        self._rng = random.Random(config.seed)
+        self._rng = _rng_for(config.seed)
 
     def maybe_fail(self, what: str) -> None:
         if self.config.fail_prob and self._rng.random() < self.config.fail_prob:
