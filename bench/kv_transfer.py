@@ -135,84 +135,109 @@ async def _kv_receiver_async(backend: str, q_out: Any, q_in: Any) -> None:
 # ---------------------------------------------------------------- measurements
 
 
-def bench_tcp(src: torch.Tensor, repeats: int) -> float:
-    ctx = mp.get_context("spawn")
-    port_q = ctx.Queue()
-    p = ctx.Process(target=_tcp_receiver, args=(port_q, repeats), daemon=True)
-    p.start()
-    port = port_q.get(timeout=60)
-    data = memoryview(src.view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
-    best = float("inf")
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for off in range(0, NBYTES, CHUNK):
-                s.sendall(data[off : off + CHUNK])
-            assert s.recv(1) == b"k"
-            best = min(best, time.perf_counter() - t0)
-    p.join(10)
-    return NBYTES / best / 1e9
+class TcpRun:
+    """A receiver process reading each 256 MiB into one preallocated buffer."""
+
+    def __init__(self, src: torch.Tensor, repeats: int) -> None:
+        ctx = mp.get_context("spawn")
+        port_q = ctx.Queue()
+        self._p = ctx.Process(target=_tcp_receiver, args=(port_q, repeats), daemon=True)
+        self._p.start()
+        port = port_q.get(timeout=120)
+        self._data = memoryview(src.view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
+        self._s = socket.create_connection(("127.0.0.1", port))
+        self._s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+
+    def once(self) -> float:
+        t0 = time.perf_counter()
+        for off in range(0, NBYTES, CHUNK):
+            self._s.sendall(self._data[off : off + CHUNK])
+        assert self._s.recv(1) == b"k"
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._s.close()
+        self._p.join(10)
 
 
-def bench_backend(backend: str, src: torch.Tensor, repeats: int) -> float:
-    from splitserve_worker.kv.transport import (
-        BackendContext,
-        TransferTarget,
-        create_sender_backend,
-    )
+class BackendRun:
+    """A receiver process holding a pool; each run pushes all layers into fresh leases."""
 
-    ctx = mp.get_context("spawn")
-    q_out, q_in = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_kv_receiver, args=(backend, q_out, q_in), daemon=True)
-    p.start()
-    address, metadata = q_out.get(timeout=120)
-    compat = _compat()
-    sender_backend = create_sender_backend(backend, BackendContext(compat=compat, token=TOKEN))
-    best = float("inf")
-    expect = float(src[LAYERS - 1].sum())
-    try:
-        for i in range(repeats + 1):  # the first run warms up connections and buffers
-            rid = f"{backend}-{i}"
-            q_in.put(rid)
-            lease_id, blocks = q_out.get(timeout=60)
-            target = TransferTarget(rid, lease_id, address, tuple(blocks), TOKENS, compat.hash,
-                                    metadata)  # fmt: skip
-            t0 = time.perf_counter()
-            sender = sender_backend.open(target)
-            for layer in range(LAYERS):
-                sender.send_layer(layer, src[layer, 0], src[layer, 1], 0)
-            sender.finish(120)
-            dt = time.perf_counter() - t0
-            q_in.put(f"check:{rid}")
-            ok, total = q_out.get(timeout=60)
-            if not ok or abs(total - expect) > 1e-3 * max(1.0, abs(expect)):
-                raise SystemExit(f"{backend}: the received KV differs from what was sent")
-            if i:
-                best = min(best, dt)
-    finally:
-        q_in.put(None)
-        p.join(15)
-        sender_backend.close()
-    return NBYTES / best / 1e9
+    def __init__(self, backend: str, src: torch.Tensor) -> None:
+        from splitserve_worker.kv.transport import BackendContext, create_sender_backend
+
+        ctx = mp.get_context("spawn")
+        self._q_out, self._q_in = ctx.Queue(), ctx.Queue()
+        self._p = ctx.Process(target=_kv_receiver, args=(backend, self._q_out, self._q_in),
+                              daemon=True)  # fmt: skip
+        self._p.start()
+        self._address, self._metadata = self._q_out.get(timeout=120)
+        self._compat = _compat()
+        self._sender = create_sender_backend(backend, BackendContext(compat=self._compat,
+                                                                     token=TOKEN))  # fmt: skip
+        self._backend, self._i = backend, 0
+        # per layer, fresh K and V tensors: what the engine's layer-wise prefill hands over
+        self._layers = [(src[i, 0].clone(), src[i, 1].clone()) for i in range(LAYERS)]
+        self._expect = float(src[LAYERS - 1].sum())
+
+    def once(self) -> float:
+        from splitserve_worker.kv.transport import TransferTarget
+
+        self._i += 1
+        rid = f"{self._backend}-{self._i}"
+        self._q_in.put(rid)
+        lease_id, blocks = self._q_out.get(timeout=60)
+        target = TransferTarget(rid, lease_id, self._address, tuple(blocks), TOKENS,
+                                self._compat.hash, self._metadata)  # fmt: skip
+        t0 = time.perf_counter()
+        sender = self._sender.open(target)
+        for layer, (k, v) in enumerate(self._layers):
+            sender.send_layer(layer, k, v, 0)
+        sender.finish(120)
+        dt = time.perf_counter() - t0
+        self._q_in.put(f"check:{rid}")
+        ok, total = self._q_out.get(timeout=60)
+        if not ok or abs(total - self._expect) > 1e-3 * max(1.0, abs(self._expect)):
+            raise SystemExit(f"{self._backend}: the received KV differs from what was sent")
+        return dt
+
+    def close(self) -> None:
+        self._q_in.put(None)
+        self._p.join(15)
+        self._sender.close()
 
 
-def bench_shm(src: torch.Tensor, repeats: int) -> float:
-    shm = shared_memory.SharedMemory(create=True, size=NBYTES)
-    try:
-        dst = torch.frombuffer(shm.buf, dtype=torch.uint8)
-        flat = src.view(torch.uint8).reshape(-1)
-        dst.copy_(flat)  # first touch maps the pages
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            dst.copy_(flat)
-            best = min(best, time.perf_counter() - t0)
-        del dst
-    finally:
-        shm.close()
-        shm.unlink()
-    return NBYTES / best / 1e9
+class ShmRun:
+    """One copy of the bytes into a POSIX shared-memory segment."""
+
+    def __init__(self, src: torch.Tensor) -> None:
+        self._shm = shared_memory.SharedMemory(create=True, size=NBYTES)
+        self._dst: torch.Tensor | None = torch.frombuffer(self._shm.buf, dtype=torch.uint8)
+        self._flat = src.view(torch.uint8).reshape(-1)
+        self._dst.copy_(self._flat)  # first touch maps the pages
+
+    def once(self) -> float:
+        assert self._dst is not None
+        t0 = time.perf_counter()
+        self._dst.copy_(self._flat)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._dst = None
+        self._shm.close()
+        self._shm.unlink()
+
+
+def side_by_side(a: Any, b: Any, repeats: int) -> tuple[float, float]:
+    """Best GB/s of each, their runs interleaved so that load on the host hits both alike."""
+    for _ in range(2):  # warm-up: connections, page faults, registrations
+        a.once(), b.once()
+    ta = tb = float("inf")
+    for _ in range(repeats):
+        ta, tb = min(ta, a.once()), min(tb, b.once())
+    a.close()
+    b.close()
+    return NBYTES / ta / 1e9, NBYTES / tb / 1e9
 
 
 def _spawn_worker(model: str, role: str, backend: str) -> tuple[subprocess.Popen[str], str]:
@@ -292,12 +317,14 @@ def main() -> None:
 
     src = _source()
     print(f"payload: {NBYTES / 2**20:.0f} MiB ({LAYERS} layers x {TOKENS} tokens)", flush=True)
-    tcp = bench_tcp(src, args.repeats)
-    grpc_gbs = bench_backend("grpc", src, args.repeats)
+    grpc_gbs, tcp = side_by_side(BackendRun("grpc", src), TcpRun(src, args.repeats + 2),
+                                 args.repeats)  # fmt: skip
     print(f"grpc backend {grpc_gbs:.2f} GB/s   plain TCP {tcp:.2f} GB/s", flush=True)
-    shm = bench_shm(src, args.repeats)
     nixl_reason = unavailable_reason("nixl")
-    nixl_gbs = float("nan") if nixl_reason else bench_backend("nixl", src, args.repeats)
+    if nixl_reason:
+        nixl_gbs, shm = float("nan"), side_by_side(ShmRun(src), ShmRun(src), args.repeats)[0]
+    else:
+        nixl_gbs, shm = side_by_side(BackendRun("nixl", src), ShmRun(src), args.repeats)
     print(f"nixl backend {nixl_gbs:.2f} GB/s   shared-memory copy {shm:.2f} GB/s"
           + (f"  (nixl skipped: {nixl_reason})" if nixl_reason else ""), flush=True)  # fmt: skip
     exposed = float("nan")

@@ -1,10 +1,10 @@
 """The ``grpc`` KV backend: layers streamed over a client-streaming ``PushKV`` call.
 
-Prefill side: ``send_layer`` copies the layer's K and V once (a torch copy, off the
-GIL) and queues spans of about 1 MiB on a bounded queue; gRPC's own sending thread drains
-the queue, building each wire message in one pass (:mod:`.kvwire`), so the push overlaps
-the next layer's compute, and a slow receiver holds the engine back instead of buffering
-without bound.
+Prefill side: ``send_layer`` keeps the layer's K and V tensors (the engine hands over
+fresh ones; a view is copied) and queues spans of about 1 MiB on a bounded queue; gRPC's
+own sending thread drains the queue, building each wire message in one pass
+(:mod:`.kvwire`), so the push overlaps the next layer's compute, and a slow receiver holds
+the engine back instead of buffering without bound.
 
 Decode side: each message is parsed without copying its payload (:func:`kvwire.decode`),
 viewed in place with ``torch.frombuffer`` and copied once, by slot index, into the
@@ -27,7 +27,7 @@ from splitserve.v1 import worker_pb2
 
 from splitserve_worker.kv import kvwire
 from splitserve_worker.kv.faults import FaultInjector, InjectedFault
-from splitserve_worker.kv.layout import PoolView, as_bytes, token_chunks
+from splitserve_worker.kv.layout import PoolView, as_bytes, owned, token_chunks
 from splitserve_worker.kv.lease import Lease, LeaseTable
 from splitserve_worker.kv.transport import (
     BackendContext,
@@ -135,17 +135,19 @@ class GrpcSender:
         if not self.stats.first_send:
             self.stats.first_send = time.monotonic()
         n = int(k.shape[0])
-        # one copy (torch, without the GIL): K then V of this span, ours to keep
-        kv = torch.stack([k.detach(), v.detach()]).cpu()
+        # the engine hands over fresh tensors: keep them as they are (views are copied)
+        kt, vt = owned(k).cpu(), owned(v).cpu()
+        kall, vall = as_bytes(kt), as_bytes(vt)
         if self._crc:
-            self._crc[2 * layer] = zlib.crc32(as_bytes(kv[0]), self._crc[2 * layer])
-            self._crc[2 * layer + 1] = zlib.crc32(as_bytes(kv[1]), self._crc[2 * layer + 1])
-        per_token = kv[0, :1].numel() * kv.element_size()
+            self._crc[2 * layer] = zlib.crc32(kall, self._crc[2 * layer])
+            self._crc[2 * layer + 1] = zlib.crc32(vall, self._crc[2 * layer + 1])
+        per_token = len(kall) // n if n else 1
         starts = token_chunks(n, 2 * per_token)
         corrupt = self._faults.should_corrupt()
         for i, s in enumerate(starts):
             end = starts[i + 1] if i + 1 < len(starts) else n
-            kb, vb = as_bytes(kv[0, s:end]), as_bytes(kv[1, s:end])
+            lo, hi = s * per_token, end * per_token
+            kb, vb = kall[lo:hi], vall[lo:hi]
             span = kvwire.KVSpan(
                 request_id=self._t.request_id,
                 lease_id=self._t.lease_id,

@@ -109,3 +109,11 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         t = t.cpu()
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it is a fresh contiguous tensor (no view of anything else, such as
+    the engine's pool), else a copy: what a transport may keep without copying again."""
+    if t._base is None and t.is_contiguous() and not t.requires_grad:
+        return t
+    return t.detach().clone(memory_format=torch.contiguous_format)

@@ -8,10 +8,12 @@ so a poller thread keeps reading notifications: each written layer notifies
 ``request_id/lease_id/layer/end_token``, and that is what marks the layer as arrived.
 
 Prefill side (:class:`NixlSenderBackend`): one agent loads each decode worker's metadata
-once. A request stages each layer into a slot of a small registered ring (one copy on the
-engine thread), and a single transfer thread posts one WRITE per layer (a descriptor per
-(K|V, block) span) and drives it to completion; a slot is reused only once its transfer
-is done, which bounds memory and holds the engine back if the wire is slower.
+once. In host memory the engine's fresh K/V tensors of each layer are registered and
+written from directly (no copy); GPU tensors are staged into a small registered ring
+(registering GPU memory per layer is slow). A single transfer thread posts one WRITE per
+layer (a descriptor per (K|V, block) span) and drives it to completion; at most
+``RING_SLOTS`` layers are in flight per request, which bounds memory and holds the engine
+back if the wire is slower.
 
 NIXL is optional: :func:`unavailable_reason` says why it cannot be used here.
 """
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 
 from splitserve_worker.kv.faults import FaultInjector, InjectedFault
-from splitserve_worker.kv.layout import PoolView, as_bytes, block_spans
+from splitserve_worker.kv.layout import PoolView, as_bytes, block_spans, owned
 from splitserve_worker.kv.lease import Lease, LeaseError, LeaseTable
 from splitserve_worker.kv.transport import (
     BackendContext,
@@ -180,6 +182,8 @@ class _Job:
     local: list[tuple[int, int, int]]
     remote: list[tuple[int, int, int]]
     notif: bytes
+    keep: tuple[Any, ...] = ()
+    """Tensors the write reads from, and their registration (released when done)."""
     handle: Any = None
     posted: float = field(default=0.0)
 
@@ -241,6 +245,9 @@ class NixlSenderBackend:
             raise TransferError("the handle carries no NIXL metadata: Reserve with kv_backend=nixl")
         return NixlSender(self, target, self.remote(target.backend_metadata))
 
+    def register(self, tensors: list[torch.Tensor]) -> Any:
+        return self._agent.register_memory(tensors)
+
     def submit(self, job: _Job) -> None:
         self._jobs.put(job)
 
@@ -260,6 +267,9 @@ class NixlSenderBackend:
                     continue
                 if job.handle is not None:
                     self._agent.release_xfer_handle(job.handle)
+                if job.keep:
+                    self._agent.deregister_memory(job.keep[-1])
+                    job.keep = ()
                 job.sender.layer_done(job, ok=state == "DONE")
             inflight = still
             if inflight:
@@ -343,32 +353,43 @@ class NixlSender:
         except queue.Empty:
             self.fail(f"no staging slot freed for {SLOT_WAIT_S:.0f} s", "timeout")
             return
-        if self._buf is None:
-            self._buf = self._b._ring.take(RING_SLOTS * self._slot_bytes, k.device)
         n, tb = int(k.shape[0]), self.remote.token_bytes
-        base = slot * self._slot_bytes
-        stage = self._buf[base : base + 2 * n * tb]
-        stage[: n * tb].view(k.dtype).copy_(k.reshape(-1))
-        stage[n * tb :].view(v.dtype).copy_(v.reshape(-1))
         if self._crc:
             self._crc[2 * layer] = zlib.crc32(as_bytes(k), self._crc[2 * layer])
             self._crc[2 * layer + 1] = zlib.crc32(as_bytes(v), self._crc[2 * layer + 1])
-        if self._faults.should_corrupt():
-            stage[0] ^= 0xFF
-        addr = int(self._buf.data_ptr()) + base
-        local_dev = _dev(self._buf)
+        corrupt = self._faults.should_corrupt()
+        keep: tuple[Any, ...] = ()
+        if k.is_cuda:
+            # GPU: stage into the registered ring (registering GPU memory per layer is slow)
+            if self._buf is None:
+                self._buf = self._b._ring.take(RING_SLOTS * self._slot_bytes, k.device)
+            base = slot * self._slot_bytes
+            stage = self._buf[base : base + 2 * n * tb]
+            stage[: n * tb].view(k.dtype).copy_(k.reshape(-1))
+            stage[n * tb :].view(v.dtype).copy_(v.reshape(-1))
+            if corrupt:
+                stage[0] ^= 0xFF
+            addrs = (int(stage.data_ptr()), int(stage.data_ptr()) + n * tb)
+            mem, dev = _mem_type(self._buf), _dev(self._buf)
+        else:
+            # host memory: register the engine's fresh K/V tensors and write from them
+            kt, vt = owned(k), owned(v)
+            if corrupt:
+                kt = kt.clone()
+                kt.view(torch.uint8).view(-1)[0] ^= 0xFF
+            keep = (kt, vt, self._b.register([kt, vt]))
+            addrs, mem, dev = (int(kt.data_ptr()), int(vt.data_ptr())), "DRAM", 0
         local, remote = [], []
         for kv in (0, 1):
             for s in block_spans(list(self._t.block_ids), start_token, n, self.remote.block_size):
                 nbytes = s.count * tb
-                off = kv * n * tb + (s.token - start_token) * tb
-                local.append((addr + off, nbytes, local_dev))
+                local.append((addrs[kv] + (s.token - start_token) * tb, nbytes, dev))
                 dst = self.remote.address(layer, kv, s.block, s.offset)
                 remote.append((dst, nbytes, self.remote.dev))
         with self._lock:
             self._pending += 1
         notif = _notif(self._t.request_id, self._t.lease_id, layer, start_token + n)
-        self._b.submit(_Job(self, layer, slot, _mem_type(self._buf), local, remote, notif))
+        self._b.submit(_Job(self, layer, slot, mem, local, remote, notif, keep=keep))
         self.stats.bytes_sent += 2 * n * tb
         self.stats.layers_sent = max(self.stats.layers_sent, layer + 1)
 
