@@ -1,0 +1,172 @@
+"""The HTTP API without workers: validation, errors in the OpenAI shape, auth, queues."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from splitserve_worker.router.app import create_app
+from splitserve_worker.router.config import QueueConfig, RouterConfig
+from splitserve_worker.router.discovery import StaticDiscovery, parse_static
+from splitserve_worker.router.service import RouterService
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_path))
+
+
+def make_client(tokenizer: Any, **cfg: Any) -> TestClient:
+    config = RouterConfig(model_name="tiny", max_model_len=256, **cfg)
+    # a worker address nobody listens on: the router sees no healthy worker
+    disc = StaticDiscovery(parse_static("decode=127.0.0.1:9"))
+    return TestClient(create_app(RouterService(config, tokenizer, disc)))
+
+
+@pytest.fixture
+def client(tokenizer: Any) -> Iterator[TestClient]:
+    with make_client(
+        tokenizer, queues=QueueConfig(decode_max_waiting=1, max_wait_s=0.2, retry_after_s=2)
+    ) as c:
+        yield c
+
+
+def error_of(r: Any, status: int) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    return err
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"model": "tiny"}, "prompt", "Field required"),
+        ({"prompt": "hi", "n": 2}, None, "n must be 1"),
+        ({"prompt": "hi", "temperature": 5}, "temperature", "less than or equal to 2"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+        ({"prompt": "hi", "bogus": 1}, "bogus", "Extra inputs are not permitted"),
+        ({"prompt": ""}, "prompt", "must not be empty"),
+        ({"prompt": []}, "prompt", "must not be empty"),
+        ({"prompt": ["a", "b"]}, "prompt", "batched prompts are not supported"),
+        ({"prompt": [1, -3]}, "prompt", "greater than or equal to 0"),
+        ({"prompt": "hi", "stop": [""]}, "stop", "must not be empty"),
+        ({"prompt": "hi", "presence_penalty": 1}, None, "not supported"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, None, "only allowed"),
+    ],
+)
+def test_bad_completion_requests_say_what_is_wrong(
+    client: TestClient, body: dict[str, Any], param: str | None, words: str
+) -> None:
+    err = error_of(client.post("/v1/completions", json=body), 400)
+    assert words in err["message"]
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] is not None and err["param"].startswith(param)
+
+
+def test_body_that_is_not_json(client: TestClient) -> None:
+    r = client.post(
+        "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert "JSON" in error_of(r, 400)["message"]
+
+
+def test_limits_checked_against_model_and_vocabulary(client: TestClient, tokenizer: Any) -> None:
+    err = error_of(client.post("/v1/completions", json={"prompt": [1] * 300}), 400)
+    assert err["code"] == "context_length_exceeded" and "300 tokens" in err["message"]
+    err = error_of(
+        client.post("/v1/completions", json={"prompt": [1] * 200, "max_tokens": 100}), 400
+    )
+    assert err["param"] == "max_tokens"
+    err = error_of(client.post("/v1/completions", json={"prompt": [len(tokenizer) + 5]}), 400)
+    assert "outside the vocabulary" in err["message"]
+    err = error_of(
+        client.post("/v1/completions", json={"prompt": [1], "max_tokens": 2, "min_tokens": 3}),
+        400,
+    )
+    assert err["param"] == "min_tokens"
+
+
+def test_unknown_model_is_404(client: TestClient) -> None:
+    err = error_of(client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404)
+    assert err["code"] == "model_not_found" and "'tiny'" in err["message"]
+
+
+def test_bad_chat_requests(client: TestClient) -> None:
+    err = error_of(client.post("/v1/chat/completions", json={"messages": []}), 400)
+    assert err["param"] == "messages"
+    bad_role = {"messages": [{"role": "wizard", "content": "hi"}]}
+    assert error_of(client.post("/v1/chat/completions", json=bad_role), 400)["param"].startswith(
+        "messages.0.role"
+    )
+    lp = {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}
+    assert error_of(client.post("/v1/chat/completions", json=lp), 400)["param"] == "top_logprobs"
+
+
+def test_unknown_route_and_method(client: TestClient) -> None:
+    error_of(client.get("/v1/nothing"), 404)
+    error_of(client.get("/v1/completions"), 405)
+
+
+def test_models_health_metrics_openapi(client: TestClient) -> None:
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    h = client.get("/health")
+    assert h.status_code == 503 and h.json()["workers"][0]["healthy"] is False
+    text = client.get("/metrics").text
+    assert "splitserve_decode_queue_depth" in text
+    assert "splitserve_time_to_first_token_seconds_bucket" in text
+    spec = client.get("/openapi.json").json()
+    assert "/v1/completions" in spec["paths"] and "/v1/chat/completions" in spec["paths"]
+
+
+def test_no_capacity_waits_bounded_then_503_with_retry_after(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+    err = error_of(r, 503)
+    assert r.headers["retry-after"] == "2" and err["code"] == "queue_timeout"
+    assert "requests_total" in client.get("/metrics").text
+
+
+async def test_full_queue_is_429_with_retry_after(tokenizer: Any) -> None:
+    import asyncio
+
+    import httpx
+
+    config = RouterConfig(model_name="tiny", queues=QueueConfig(decode_max_waiting=1, max_wait_s=3))
+    disc = StaticDiscovery(parse_static("decode=127.0.0.1:9"))
+    app = create_app(RouterService(config, tokenizer, disc))
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c,
+    ):
+        # one request waits (no capacity), so the queue of one is full for the next
+        waiter = asyncio.create_task(c.post("/v1/completions", json={"prompt": [1]}))
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            r = await c.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
+            if r.status_code == 429:
+                break
+        err = error_of(r, 429)
+        assert r.headers["retry-after"] == "1" and err["type"] == "rate_limit_error"
+        r = await c.post("/v1/completions", json={"prompt": [1], "stream": True})
+        assert error_of(r, 429)["code"] == "queue_full"
+        assert (await asyncio.wait_for(waiter, 10)).status_code == 503
+
+
+def test_api_key(tokenizer: Any) -> None:
+    with make_client(tokenizer, api_key="s3cret") as c:
+        err = error_of(c.get("/v1/models"), 401)
+        assert err["code"] == "invalid_api_key"
+        error_of(c.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+        assert c.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert c.get("/health").status_code == 503  # open, and says no worker is ready
