@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-
 from splitserve_worker.router.app import create_app
 from splitserve_worker.router.config import QueueConfig, RouterConfig
 from splitserve_worker.router.discovery import StaticDiscovery, parse_static

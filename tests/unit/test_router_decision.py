@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from splitserve_worker.router.config import CostModelConfig
 from splitserve_worker.router.decision import DecisionInput, Where, decide, transfer_exposed_s
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from splitserve_worker.router.queues import Saturated, Stage
 
 pytestmark = pytest.mark.unit

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from splitserve_worker.router.prefix_index import BlockEvent, EventKind, PrefixIndex
 from splitserve_worker.router.scoring import (
     KVFreeScorer,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-
 from splitserve_worker.router.text import Detokenizer
 
 pytestmark = pytest.mark.unit

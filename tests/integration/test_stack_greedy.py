@@ -1,0 +1,173 @@
+"""Greedy completions through the router equal transformers' generate, for disaggregated,
+colocated and mixed stacks of real worker processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from splitserve_worker.commands.up import WorkerProcs
+from splitserve_worker.router.config import CostModelConfig, RouterConfig
+from splitserve_worker.router.discovery import StaticDiscovery, WorkerEndpoint
+from splitserve_worker.router.local import RouterThread
+from splitserve_worker.router.scoring import Role
+from splitserve_worker.router.service import RouterService
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PROMPTS = [[5, 17, 99, 3, 42], list(range(10, 50)), [(i * 7919) % 250 for i in range(100)]]
+MAX_TOKENS = 12
+
+ALWAYS_REMOTE = CostModelConfig(short_prompt_tokens=0, decode_prefill_tokens_per_s=1e-3)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_path))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_path: Path) -> list[list[int]]:
+    """transformers' own greedy generate, EOS ignored."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    out = []
+    for p in PROMPTS:
+        ids = torch.tensor([p])
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        out.append(gen[0, len(p) :].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_model_path: Path) -> Iterator[tuple[str, list[WorkerEndpoint]]]:
+    token = secrets.token_hex(8)
+    roles = [Role.PREFILL, Role.DECODE, Role.BOTH]
+    with WorkerProcs(str(tiny_model_path), roles, token, threads=1, echo=False) as procs:
+        yield token, procs.start(timeout_s=300)
+
+
+def router(token: str, tokenizer: Any, eps: list[WorkerEndpoint], **cfg: Any) -> RouterThread:
+    config = RouterConfig(model_name="tiny", worker_token=token, **cfg)
+    return RouterThread(RouterService(config, tokenizer, StaticDiscovery(eps)))
+
+
+def complete(base: str, prompt: list[int], stream: bool) -> list[int]:
+    body = {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+    }
+    if not stream:
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "length"
+        assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS
+        return list(choice["token_ids"])
+    ids: list[int] = []
+    finish = None
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for ln in lines[:-1]:
+        chunk = json.loads(ln[6:])
+        assert "error" not in chunk, chunk
+        ids += chunk["choices"][0].get("token_ids", [])
+        finish = chunk["choices"][0]["finish_reason"] or finish
+    assert finish == "length"
+    return ids
+
+
+def decisions(base: str) -> dict[str, float]:
+    text = httpx.get(f"{base}/metrics").text
+    found = re.findall(r'splitserve_disaggregation_decisions_total\{decision="(\w+)"\} (\S+)', text)
+    return {k: float(v) for k, v in found}
+
+
+@pytest.mark.parametrize("stack", ["disaggregated", "colocated", "mixed"])
+def test_greedy_tokens_equal_transformers(
+    stack: str, workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any, reference: Any
+) -> None:
+    token, eps = workers
+    by_role = {e.role: e for e in eps}
+    if stack == "disaggregated":
+        rt = router(token, tokenizer, [by_role[Role.PREFILL], by_role[Role.DECODE]],
+                    cost=ALWAYS_REMOTE)  # fmt: skip
+    elif stack == "colocated":
+        rt = router(token, tokenizer, [by_role[Role.BOTH]])
+    else:
+        rt = router(token, tokenizer, eps)
+    with rt as base:
+        for prompt, want in zip(PROMPTS, reference, strict=True):
+            assert complete(base, prompt, stream=False) == want
+            assert complete(base, prompt, stream=True) == want
+        made = decisions(base)
+    if stack == "disaggregated":
+        assert made.get("remote", 0) == 2 * len(PROMPTS) and made.get("local", 0) == 0
+    elif stack == "colocated":
+        assert made.get("local", 0) == 2 * len(PROMPTS) and made.get("remote", 0) == 0
+    else:
+        assert sum(made.values()) == 2 * len(PROMPTS)
+
+
+def test_chat_and_text_prompt_through_disaggregated_stack(
+    workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any
+) -> None:
+    token, eps = workers
+    pd = [e for e in eps if e.role is not Role.BOTH]
+    with router(token, tokenizer, pd, cost=ALWAYS_REMOTE) as base:
+        r = httpx.post(
+            f"{base}/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 5,
+                "temperature": 0,
+                "ignore_eos": True,
+                "logprobs": True,
+            },
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "chat.completion"
+        assert body["choices"][0]["message"]["role"] == "assistant"
+        assert len(body["choices"][0]["logprobs"]["content"]) == 5
+        assert all(t["logprob"] <= 0 for t in body["choices"][0]["logprobs"]["content"])
+        assert body["usage"]["completion_tokens"] == 5
+        r = httpx.post(
+            f"{base}/v1/completions",
+            json={
+                "prompt": "hello",
+                "max_tokens": 4,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+            timeout=120,
+        )
+        chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
