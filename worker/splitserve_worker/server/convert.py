@@ -49,7 +49,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         top_p=msg.top_p if msg.top_p > 0 else 1.0,
         top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
-        max_tokens=msg.max_tokens if msg.max_tokens > 0 else SamplingParams.max_tokens,
+        max_tokens=msg.max_tokens if msg.max_tokens != 0 else SamplingParams.max_tokens,
         min_tokens=msg.min_tokens,
         ignore_eos=msg.ignore_eos,
         stop_token_ids=tuple(msg.stop_token_ids),
