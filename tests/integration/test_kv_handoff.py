@@ -308,3 +308,27 @@ def test_events_stream_prefix_cache_stores(tiny_model_path: Path) -> None:
             assert want <= stored
 
     asyncio.run(scenario())
+
+
+def test_transfer_metrics_are_served(tiny_model_path: Path) -> None:
+    import urllib.request
+
+    async def scenario() -> None:
+        async with workers(tiny_model_path, "prefill", "decode", metrics_port=0) as ws:
+            p, d = clients(ws)
+            prompt = prompt_of(64)
+            await disaggregated(p, d, "m", prompt)
+            kv_bytes = 4 * 2 * 64 * 2 * 16 * 4
+            texts = {}
+            for w, direction in ((ws[0], "sent"), (ws[1], "received")):
+                url = f"http://127.0.0.1:{w.metrics_port}/metrics"
+                texts[direction] = await asyncio.to_thread(
+                    lambda u=url: urllib.request.urlopen(u, timeout=5).read().decode()
+                )
+                want = (f'splitserve_kv_transfer_bytes_total{{backend="grpc",'
+                        f'direction="{direction}"}} {float(kv_bytes)}')  # fmt: skip
+                assert want in texts[direction], texts[direction][:2000]
+            count = 'splitserve_kv_transfer_duration_seconds_count{backend="grpc"} 1.0'
+            assert count in texts["sent"]
+
+    asyncio.run(scenario())
