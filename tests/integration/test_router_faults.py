@@ -1,0 +1,236 @@
+"""Failures with real worker processes: a killed prefill worker, a decode worker lost before
+the first token, one lost mid-stream (migration), and a client that disconnects (every
+worker's KV is freed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from splitserve_worker.commands.up import WorkerProcs
+from splitserve_worker.router.config import (
+    CostModelConfig,
+    QueueConfig,
+    RouterConfig,
+    TimeoutConfig,
+)
+from splitserve_worker.router.discovery import StaticDiscovery, WorkerEndpoint
+from splitserve_worker.router.local import RouterThread
+from splitserve_worker.router.scoring import Role
+from splitserve_worker.router.service import RouterService
+from splitserve_worker.router.worker_client import GrpcWorkerConn
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PROMPT = [(i * 31) % 200 + 3 for i in range(40)]
+ALWAYS_REMOTE = CostModelConfig(short_prompt_tokens=0, decode_prefill_tokens_per_s=1e-3)
+# The router polls Health rarely here, so it learns of a dead worker only from a failed call.
+SLOW_HEALTH = TimeoutConfig(health_interval_s=120.0, connect_s=3.0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_path))
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_path: Path) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    import torch
+
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+        pad_token_id=0,
+    )  # fmt: skip
+    return list(out[0, len(prompt) :].tolist())
+
+
+class Stack:
+    def __init__(self, model: Path, roles: list[Role]) -> None:
+        self.token = secrets.token_hex(8)
+        self.procs = WorkerProcs(str(model), roles, self.token, threads=1, echo=False)
+        self.endpoints = self.procs.start(timeout_s=300)
+
+    def router(self, tokenizer: Any, eps: list[WorkerEndpoint], **cfg: Any) -> RouterThread:
+        config = RouterConfig(model_name="tiny", worker_token=self.token, **cfg)
+        return RouterThread(RouterService(config, tokenizer, StaticDiscovery(eps)))
+
+    def index(self, ep: WorkerEndpoint) -> int:
+        return self.endpoints.index(ep)
+
+    def kill(self, ep: WorkerEndpoint) -> None:
+        self.procs.kill(self.index(ep), signal.SIGKILL)
+
+    def free_blocks(self, eps: list[WorkerEndpoint]) -> dict[str, tuple[int, int]]:
+        async def one(ep: WorkerEndpoint) -> tuple[int, int]:
+            conn = GrpcWorkerConn(ep.address, self.token)
+            try:
+                h = await conn.health(5.0)
+                return h.free_blocks, h.running + h.waiting
+            finally:
+                await conn.close()
+
+        async def all_() -> dict[str, tuple[int, int]]:
+            return {ep.name: await one(ep) for ep in eps}
+
+        return asyncio.run(all_())
+
+
+@pytest.fixture
+def stack_factory(tiny_model_path: Path) -> Iterator[Any]:
+    made: list[Stack] = []
+
+    def make(roles: list[Role]) -> Stack:
+        s = Stack(tiny_model_path, roles)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.procs.stop()
+
+
+def first_by_name(eps: list[WorkerEndpoint], role: Role) -> WorkerEndpoint:
+    """The worker the router picks first among equals (ties go by name)."""
+    return min((e for e in eps if e.role is role), key=lambda e: e.name)
+
+
+def metric(base: str, name: str, label: str) -> float:
+    text = httpx.get(f"{base}/metrics").text
+    m = re.search(rf'{name}\{{reason="{label}"\}} (\S+)', text)
+    return float(m.group(1)) if m else 0.0
+
+
+def complete(base: str, prompt: list[int], n: int) -> httpx.Response:
+    return httpx.post(
+        f"{base}/v1/completions",
+        json={
+            "prompt": prompt,
+            "max_tokens": n,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+        timeout=120,
+    )
+
+
+def test_prefill_worker_killed_retries_on_another(
+    stack_factory: Any, tokenizer: Any, hf_model: Any
+) -> None:
+    st = stack_factory([Role.PREFILL, Role.PREFILL, Role.DECODE])
+    dead = first_by_name(st.endpoints, Role.PREFILL)
+    decode = [e for e in st.endpoints if e.role is Role.DECODE]
+    with st.router(tokenizer, st.endpoints, cost=ALWAYS_REMOTE, timeouts=SLOW_HEALTH) as base:
+        before = st.free_blocks(decode)
+        st.kill(dead)
+        r = complete(base, PROMPT, 8)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == greedy(hf_model, PROMPT, 8)
+        assert metric(base, "splitserve_router_retries_total", "prefill_failed") == 1
+        health = {w["name"]: w["healthy"] for w in httpx.get(f"{base}/health").json()["workers"]}
+        assert health[dead.name] is False
+        # the decode worker holds nothing for the failed attempt
+        assert st.free_blocks(decode) == before
+
+
+def test_decode_lost_before_first_token_retries_then_clear_error(
+    stack_factory: Any, tokenizer: Any, hf_model: Any
+) -> None:
+    st = stack_factory([Role.BOTH, Role.BOTH])
+    dead = first_by_name(st.endpoints, Role.BOTH)
+    cfg = {"timeouts": SLOW_HEALTH, "queues": QueueConfig(max_wait_s=2.0)}
+    with st.router(tokenizer, st.endpoints, **cfg) as base:
+        st.kill(dead)
+        r = complete(base, PROMPT, 6)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == greedy(hf_model, PROMPT, 6)
+        assert metric(base, "splitserve_router_retries_total", "decode_lost") == 1
+        # the last worker goes too: the client gets a clear error, in bounded time
+        st.kill(next(e for e in st.endpoints if e != dead))
+        t0 = time.monotonic()
+        r = complete(base, PROMPT, 6)
+        assert r.status_code in (502, 503)
+        assert "worker" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 30
+
+
+def test_decode_lost_mid_stream_migrates_with_identical_tokens(
+    stack_factory: Any, tokenizer: Any, hf_model: Any
+) -> None:
+    st = stack_factory([Role.BOTH, Role.BOTH])
+    n = 300
+    want = greedy(hf_model, PROMPT, n)
+    with st.router(tokenizer, st.endpoints, timeouts=SLOW_HEALTH) as base:
+        body = {"prompt": PROMPT, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, "stream": True}  # fmt: skip
+        got: list[int] = []
+        killed = False
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                got += chunk["choices"][0].get("token_ids", [])
+                if not killed and len(got) >= 5:
+                    busy = [w for w in httpx.get(f"{base}/health").json()["workers"]
+                            if w["assigned"] > 0]  # fmt: skip
+                    assert len(busy) == 1
+                    st.kill(next(e for e in st.endpoints if e.name == busy[0]["name"]))
+                    killed = True
+        assert killed
+        assert got == want
+        assert metric(base, "splitserve_router_retries_total", "migrate") == 1
+
+
+def test_client_disconnect_frees_kv_on_every_worker(stack_factory: Any, tokenizer: Any) -> None:
+    st = stack_factory([Role.PREFILL, Role.DECODE, Role.BOTH])
+    pd = [e for e in st.endpoints if e.role is not Role.BOTH]
+    both = [e for e in st.endpoints if e.role is Role.BOTH]
+    before = st.free_blocks(st.endpoints)
+    assert all(busy == 0 for _, busy in before.values())
+    body = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}  # fmt: skip
+    with (
+        st.router(tokenizer, pd, cost=ALWAYS_REMOTE) as remote_base,
+        st.router(tokenizer, both) as local_base,
+    ):
+        for base in (remote_base, local_base):
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+                seen = 0
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        seen += len(json.loads(line[6:])["choices"][0].get("token_ids", []))
+                    if seen >= 3:
+                        break  # leaving the block closes the connection mid-stream
+            # non-streaming: the client gives up (timeout) while the request runs
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{base}/v1/completions", json={**body, "stream": False}, timeout=1.0)
+        deadline = time.monotonic() + 20
+        now = st.free_blocks(st.endpoints)
+        while now != before and time.monotonic() < deadline:
+            time.sleep(0.2)
+            now = st.free_blocks(st.endpoints)
+        assert now == before
