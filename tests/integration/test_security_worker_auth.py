@@ -1,0 +1,153 @@
+"""Every worker RPC needs the shared token; the router's API key is optional.
+
+The RPC list comes from the service descriptor, so an RPC added later is covered too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from splitserve.v1 import worker_pb2 as pb
+from splitserve_worker.router.app import create_app
+from splitserve_worker.router.config import RouterConfig
+from splitserve_worker.router.discovery import StaticDiscovery
+from splitserve_worker.router.service import RouterService
+from splitserve_worker.server.app import start_worker
+from splitserve_worker.server.config import WorkerConfig
+from splitserve_worker.server.wire import auth_metadata
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "auth-test-token-5d1c"
+METHODS = pb.DESCRIPTOR.services_by_name["Worker"].methods
+
+
+async def call(channel: grpc.aio.Channel, method: Any, metadata: Any) -> grpc.StatusCode:
+    """Calls ``method`` with an empty request; returns the status it ends with."""
+    path = f"/splitserve.v1.Worker/{method.name}"
+    request = getattr(pb, method.input_type.name)()
+    ser, des = type(request).SerializeToString, getattr(pb, method.output_type.name).FromString
+
+    async def one() -> AsyncIterator[Any]:
+        yield request
+
+    kind = (method.client_streaming, method.server_streaming)
+    try:
+        if kind == (False, False):
+            await channel.unary_unary(path, ser, des)(request, metadata=metadata, timeout=5)
+        elif kind == (False, True):
+            async for _ in channel.unary_stream(path, ser, des)(
+                request, metadata=metadata, timeout=1
+            ):
+                break
+        elif kind == (True, False):
+            await channel.stream_unary(path, ser, des)(one(), metadata=metadata, timeout=5)
+        else:
+            async for _ in channel.stream_stream(path, ser, des)(
+                one(), metadata=metadata, timeout=1
+            ):
+                break
+    except grpc.aio.AioRpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("role", ["both", "prefill"])
+def test_every_rpc_refuses_a_missing_or_wrong_token(tiny_model_path: Path, role: str) -> None:
+    import torch
+    from splitserve_worker.models import load_model
+
+    torch.set_num_threads(1)
+
+    async def scenario() -> None:
+        cfg = WorkerConfig(role=role, model=str(tiny_model_path), token=TOKEN, num_blocks=64,  # type: ignore[arg-type]
+                           threads=1)  # fmt: skip
+        w = await start_worker(cfg, loaded=load_model(str(tiny_model_path)))
+        try:
+            async with grpc.aio.insecure_channel(w.address) as ch:
+                assert len(METHODS) >= 9
+                for m in METHODS:
+                    for md in ((), auth_metadata("wrong"), auth_metadata(TOKEN + "x"),
+                               (("authorization", TOKEN),), (("x-token", TOKEN),)):  # fmt: skip
+                        code = await call(ch, m, md)
+                        assert code is grpc.StatusCode.UNAUTHENTICATED, (m.name, md, code)
+                    # with the token the call gets past authentication
+                    code = await call(ch, m, auth_metadata(TOKEN))
+                    assert code is not grpc.StatusCode.UNAUTHENTICATED, m.name
+                h = await ch.unary_unary(
+                    "/splitserve.v1.Worker/Health",
+                    pb.HealthRequest.SerializeToString,
+                    pb.HealthResponse.FromString,
+                )(pb.HealthRequest(), metadata=auth_metadata(TOKEN), timeout=5)
+                assert h.total_blocks == 64
+        finally:
+            await w.stop(0.2)
+
+    asyncio.run(scenario())
+
+
+class _Tok:
+    """The least tokenizer the HTTP layer needs for auth and model checks."""
+
+    chat_template = None
+
+    def __len__(self) -> int:
+        return 100
+
+
+async def _get(app: Any, path: str, headers: dict[str, str]) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        return await c.get(path, headers=headers)
+
+
+async def _post(app: Any, path: str, headers: dict[str, str], body: Any) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        return await c.post(path, headers=headers, json=body)
+
+
+def _app(api_key: str | None) -> Any:
+    cfg = RouterConfig(model_name="m", api_key=api_key, worker_token=TOKEN)
+    return create_app(RouterService(cfg, _Tok(), StaticDiscovery([])))
+
+
+def test_router_api_key_on_refuses_without_it() -> None:
+    key = "sk-test-4f9a"
+    app = _app(key)
+
+    async def scenario() -> None:
+        for path in ("/v1/models",):
+            for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": key},
+                            {"Authorization": f"Basic {key}"}, {"X-Api-Key": key}):  # fmt: skip
+                r = await _get(app, path, headers)
+                assert r.status_code == 401, (path, headers, r.text)
+                err = r.json()["error"]
+                assert err["type"] == "authentication_error" and "API key" in err["message"]
+                assert key not in r.text
+            r = await _get(app, path, {"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            r = await _post(app, path, {}, {"model": "m", "prompt": [1, 2], "messages": []})
+            assert r.status_code == 401, (path, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+
+    asyncio.run(scenario())
+
+
+def test_router_api_key_off_is_open() -> None:
+    app = _app(None)
+
+    async def scenario() -> None:
+        r = await _get(app, "/v1/models", {})
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "m"
+        r = await _get(app, "/v1/models", {"Authorization": "Bearer anything"})
+        assert r.status_code == 200
+
+    asyncio.run(scenario())
