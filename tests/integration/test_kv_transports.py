@@ -1,0 +1,133 @@
+"""Both KV backends on a bare pool (no engine): spans, scattered blocks, checksums, expiry."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import zlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from splitserve_worker.kv import grpc_backend
+from splitserve_worker.kv.compat import Compat
+from splitserve_worker.kv.layout import PoolView, as_bytes, token_chunks
+from splitserve_worker.kv.lease import LeaseTable
+from splitserve_worker.kv.transport import (
+    BackendContext,
+    TransferError,
+    TransferTarget,
+    create_receiver_backend,
+    create_sender_backend,
+    unavailable_reason,
+)
+from splitserve_worker.metrics.registry import Metrics
+from splitserve_worker.server.auth import TokenAuthInterceptor
+from splitserve_worker.server.handoff import DecodeHandoff
+from splitserve_worker.server.service import WorkerService, add_to_server
+from splitserve_worker.server.wire import SERVER_OPTIONS
+
+pytestmark = pytest.mark.integration
+os.environ.setdefault("UCX_TLS", "cma,tcp")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+TOKEN = "transport-token"
+NIXL_SKIP = unavailable_reason("nixl")
+L, NB, BS, H, D = 3, 40, 16, 2, 8
+COMPAT = Compat("bare", "float32", BS, L, H, D, "LKBTHD-v1")
+BACKENDS = ["grpc", pytest.param("nixl", marks=[pytest.mark.nixl, pytest.mark.skipif(
+    NIXL_SKIP is not None, reason=NIXL_SKIP or "")])]  # fmt: skip
+
+
+@asynccontextmanager
+async def receiver(backend: str) -> AsyncIterator[tuple[str, Any, LeaseTable, torch.Tensor]]:
+    pool = torch.zeros(L, 2, NB, BS, H, D)
+    leases = LeaseTable()
+    ctx = BackendContext(compat=COMPAT, token=TOKEN, pool=PoolView(pool), leases=leases)
+    recv = create_receiver_backend(backend, ctx)
+    handoff = DecodeHandoff(None, COMPAT, PoolView(pool), leases, {backend: recv},
+                            default_backend=backend, lease_seconds=30, address="",
+                            metrics=Metrics())  # fmt: skip
+    server = grpc.aio.server(interceptors=[TokenAuthInterceptor(TOKEN)], options=SERVER_OPTIONS)
+    add_to_server(WorkerService(role="decode", engine=None, compat=COMPAT, handoff=handoff,
+                                prefill=None, events=None, kv_backends=[backend]),  # type: ignore[arg-type]
+                  server)  # fmt: skip
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}", recv, leases, pool
+    finally:
+        await server.stop(0)
+        recv.close()
+
+
+def fresh_kv(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g))
+            for _ in range(L)]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_spans_land_in_scattered_blocks_with_checksums(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # tiny wire messages, so one span crosses several messages and several blocks
+    monkeypatch.setattr(grpc_backend, "token_chunks", lambda n, b: token_chunks(n, b, 700))
+
+    async def scenario() -> None:
+        async with receiver(backend) as (address, recv, leases, pool):
+            n, blocks = 100, [33, 2, 17, 5, 39, 0, 21]
+            lease = leases.add("r", blocks, num_tokens=n, num_layers=L, ttl=30, backend=backend)
+            target = TransferTarget("r", lease.lease_id, address, tuple(blocks), n, COMPAT.hash,
+                                    recv.backend_metadata(), time.time() + 30)  # fmt: skip
+            sender_backend = create_sender_backend(
+                backend, BackendContext(compat=COMPAT, token=TOKEN, checksums=True)
+            )
+            kv = fresh_kv(n, 1)
+            sender = sender_backend.open(target)
+            for start, end in ((0, 37), (37, 100)):  # two chunks, as a long prompt gives
+                for layer in range(L):
+                    k, v = kv[layer]
+                    sender.send_layer(layer, k[start:end], v[start:end], start)
+            stats = await asyncio.to_thread(sender.finish, 30)
+            assert await asyncio.to_thread(recv.wait_layers, lease, 10)
+            assert stats.layers_sent == L and stats.bytes_sent == L * 2 * n * H * D * 4
+            view = PoolView(pool)
+            for layer in range(L):
+                got_k, got_v = view.read(layer, blocks, 0, n)
+                assert torch.equal(got_k, kv[layer][0]) and torch.equal(got_v, kv[layer][1])
+                assert stats.layer_crc32[2 * layer] == zlib.crc32(as_bytes(kv[layer][0]))
+                assert stats.layer_crc32[2 * layer + 1] == zlib.crc32(as_bytes(kv[layer][1]))
+            others = [b for b in range(NB) if b not in blocks]
+            assert pool[:, :, others].abs().sum() == 0
+            sender_backend.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_stale_lease_is_refused(backend: str) -> None:
+    async def scenario() -> None:
+        async with receiver(backend) as (address, recv, leases, pool):
+            blocks = [1, 2]
+            lease = leases.add("r", blocks, num_tokens=20, num_layers=L, ttl=30, backend=backend)
+            deadline = time.time() - 1 if backend == "nixl" else time.time() + 30
+            lease_id = lease.lease_id if backend == "nixl" else "not-the-lease"
+            target = TransferTarget("r", lease_id, address, tuple(blocks), 20, COMPAT.hash,
+                                    recv.backend_metadata(), deadline)  # fmt: skip
+            ctx = BackendContext(compat=COMPAT, token=TOKEN)
+            sender_backend = create_sender_backend(backend, ctx)
+            sender = sender_backend.open(target)
+            for layer, (k, v) in enumerate(fresh_kv(20, 2)):
+                sender.send_layer(layer, k, v, 0)
+            with pytest.raises(TransferError) as e:
+                await asyncio.to_thread(sender.finish, 30)
+            assert ("expired" if backend == "nixl" else "stale") in str(e.value)
+            assert pool.abs().sum() == 0
+            sender_backend.close()
+
+    asyncio.run(scenario())
