@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,7 +78,7 @@ async def start_worker(config: WorkerConfig, *, loaded: Any = None) -> RunningWo
         interceptors=[TokenAuthInterceptor(config.token)], options=SERVER_OPTIONS
     )
     port = server.add_insecure_port(f"{config.host}:{config.port}")
-    address = config.advertise_address or f"{config.host}:{port}"
+    address = config.advertise_address or f"{_reachable_host(config.host)}:{port}"
     ctx = BackendContext(
         compat=compat,
         token=config.token,
@@ -148,6 +149,13 @@ async def start_worker(config: WorkerConfig, *, loaded: Any = None) -> RunningWo
         _closers=closers,
         _tasks=tasks,
     )
+
+
+def _reachable_host(host: str) -> str:
+    """What to put in Reserve handles when no --advertise-address was given."""
+    if host in ("0.0.0.0", "::", ""):
+        return socket.gethostname()
+    return host
 
 
 def nixl_loopback_env() -> None:
