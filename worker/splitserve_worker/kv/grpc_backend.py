@@ -40,7 +40,7 @@ from splitserve_worker.server.wire import CHANNEL_OPTIONS, auth_metadata
 QUEUE_DEPTH = 16
 """Messages (~1 MiB each) buffered between the engine thread and the wire."""
 
-PUT_TIMEOUT_S = 60.0
+PUT_TIMEOUT_S = 15.0
 """Longest the engine thread waits for room on the queue before declaring the push dead."""
 
 

@@ -47,8 +47,9 @@ from splitserve_worker.kv.transport import (
 RING_SLOTS = 4
 """Layers staged at once per request: enough to keep the wire busy while the engine computes."""
 
-SLOT_WAIT_S = 60.0
-"""Longest the engine thread waits for a free staging slot before declaring the push dead."""
+SLOT_WAIT_S = 10.0
+"""Longest the engine thread waits for an in-flight layer to finish before declaring the
+push dead (a layer takes milliseconds; only a stuck peer takes this long)."""
 
 POLL_IDLE_S = 0.002
 POLL_BUSY_S = 0.0002
@@ -261,7 +262,12 @@ class NixlSenderBackend:
                 pass
             still = []
             for job in inflight:
-                state = "ERR" if job.handle is None else self._agent.check_xfer_state(job.handle)
+                try:
+                    state = (
+                        "ERR" if job.handle is None else self._agent.check_xfer_state(job.handle)
+                    )
+                except Exception:  # NIXL reports a dead peer by raising; the layer failed
+                    state = "ERR"
                 if state == "PROC":
                     still.append(job)
                     continue
@@ -351,7 +357,7 @@ class NixlSender:
         try:
             slot = self._free.get(timeout=SLOT_WAIT_S)
         except queue.Empty:
-            self.fail(f"no staging slot freed for {SLOT_WAIT_S:.0f} s", "timeout")
+            self.fail(f"no in-flight layer finished for {SLOT_WAIT_S:.0f} s", "timeout")
             return
         n, tb = int(k.shape[0]), self.remote.token_bytes
         if self._crc:
