@@ -68,3 +68,23 @@ def test_prefix_cached_on_prefill_worker_makes_remote_cheaper() -> None:
     d = decide(inp, COST)
     # remote: 0.1 + 0.1 + 0.01 = 0.21 s; local: 1.0 + 0.5 = 1.5 s
     assert d.where is Where.REMOTE and d.remote_s == pytest.approx(0.21)
+
+
+def test_estimator_learns_kv_size_and_speeds() -> None:
+    from splitserve_worker.router.decision import CostEstimator
+
+    est = CostEstimator(
+        CostModelConfig(
+            prefill_tokens_per_s=1000, decode_prefill_tokens_per_s=1000, link_bytes_per_s=1e9
+        ),
+        alpha=0.5,
+    )
+    est.observe_compat(num_layers=30, kv_heads=3, head_dim=64, dtype="float32")
+    assert est.cost.kv_bytes_per_token == 2 * 30 * 3 * 64 * 4 and est.cost.num_layers == 30
+    est.observe_prefill(tokens=3000, prefill_s=1.0, bytes_sent=int(5e8), transfer_s=1.0)
+    # halfway from 1000 to 3000 tok/s, and from 1 GB/s to 0.5 GB/s
+    assert est.cost.prefill_tokens_per_s == pytest.approx(2000)
+    assert est.cost.decode_prefill_tokens_per_s == pytest.approx(2000)
+    assert est.cost.link_bytes_per_s == pytest.approx(7.5e8)
+    est.observe_prefill(tokens=0, prefill_s=0.0, bytes_sent=0, transfer_s=0.0)  # nothing to learn
+    assert est.cost.prefill_tokens_per_s == pytest.approx(2000)

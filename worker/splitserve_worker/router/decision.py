@@ -12,7 +12,7 @@ by ``decode_stall_weight``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from splitserve_worker.router.config import CostModelConfig
@@ -87,3 +87,55 @@ def decide(inp: DecisionInput, cost: CostModelConfig) -> Decision:
     if local_s < remote_s:
         return Decision(Where.LOCAL, "local prefill is cheaper", remote_s, local_s)
     return Decision(Where.REMOTE, "remote prefill is cheaper", remote_s, local_s)
+
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+class CostEstimator:
+    """The cost model's numbers, refined from what the workers report.
+
+    Starts from the configured numbers; the KV size per token comes from a
+    worker's compat info (layers, KV heads, head dim, dtype), the prefill speed
+    and link bandwidth from each Prefill answer (exponentially weighted, so a
+    few slow calls do not swing it).
+    """
+
+    def __init__(self, base: CostModelConfig, alpha: float = 0.2) -> None:
+        self.cost = base
+        self.alpha = alpha
+        self._kv_known = base.kv_bytes_per_token > 0
+
+    def observe_compat(self, num_layers: int, kv_heads: int, head_dim: int, dtype: str) -> None:
+        if self._kv_known or num_layers <= 0:
+            return
+        size = DTYPE_BYTES.get(dtype.removeprefix("torch."), 2)
+        self.cost = replace(
+            self.cost,
+            kv_bytes_per_token=float(2 * num_layers * kv_heads * head_dim * size),
+            num_layers=num_layers,
+        )
+        self._kv_known = True
+
+    def _blend(self, old: float, new: float) -> float:
+        return (1 - self.alpha) * old + self.alpha * new
+
+    def observe_prefill(
+        self, tokens: int, prefill_s: float, bytes_sent: int, transfer_s: float
+    ) -> None:
+        """One remote prefill: ``tokens`` computed in ``prefill_s``, ``bytes_sent`` in
+        ``transfer_s``. Prefill and decode workers are taken to run on the same kind of
+        hardware, so the measured speed updates both prefill speeds."""
+        c = self.cost
+        if tokens > 0 and prefill_s > 0:
+            speed = tokens / prefill_s
+            c = replace(
+                c,
+                prefill_tokens_per_s=self._blend(c.prefill_tokens_per_s, speed),
+                decode_prefill_tokens_per_s=self._blend(c.decode_prefill_tokens_per_s, speed),
+            )
+        if bytes_sent > 0 and transfer_s > 0:
+            c = replace(
+                c, link_bytes_per_s=self._blend(c.link_bytes_per_s, bytes_sent / transfer_s)
+            )
+        self.cost = c

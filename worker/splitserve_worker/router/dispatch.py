@@ -321,7 +321,7 @@ class Dispatcher:
     ) -> None:
         t = self.config.timeouts
         try:
-            await pconn.prefill(rid, prompt, sampling, handle, timeout=t.prefill_s)
+            resp = await pconn.prefill(rid, prompt, sampling, handle, timeout=t.prefill_s)
         except grpc.RpcError as e:
             code = _code(e)
             if code is grpc.StatusCode.INVALID_ARGUMENT:
@@ -337,6 +337,12 @@ class Dispatcher:
             raise _AttemptFailed(
                 p_name, "prefill_failed", f"Prefill: {_details(e)}", lost=code in _LOST
             ) from None
+        self.planner.estimator.observe_prefill(
+            len(prompt) - resp.num_cached_tokens,
+            resp.prefill_seconds,
+            resp.bytes_sent,
+            resp.transfer_seconds,
+        )
 
     def _spawn_cleanup(self, rid: str, conns: list[WorkerConn]) -> None:
         async def cleanup() -> None:

@@ -10,7 +10,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from splitserve_worker.router.config import RouterConfig
-from splitserve_worker.router.decision import Decision, DecisionInput, Where, decide
+from splitserve_worker.router.decision import (
+    CostEstimator,
+    Decision,
+    DecisionInput,
+    Where,
+    decide,
+)
 from splitserve_worker.router.prefix_index import PrefixIndex
 from splitserve_worker.router.scoring import (
     DECODE_ROLES,
@@ -45,6 +51,7 @@ class RoutePlanner:
     def __init__(self, config: RouterConfig, index: PrefixIndex | None = None) -> None:
         self.config = config
         self.index = index if index is not None else PrefixIndex()
+        self.estimator = CostEstimator(config.cost)
         pw, dw = config.prefill_weights, config.decode_weights
         self.prefill_profile: Profile = prefill_profile(pw.prefix, pw.load)
         self.decode_profile: Profile = decode_profile(dw.kv_free, dw.running, dw.prefix)
@@ -92,22 +99,23 @@ class RoutePlanner:
             )
             prefill = self.prefill_profile.choose(others, prefill_side)
         bs = cfg.block_size
+        cost = self.estimator.cost
         d = decode.worker
         inp = DecisionInput(
             num_prompt_tokens=num_prompt_tokens,
             cached_on_decode_tokens=cached.get(d.name, 0) * bs,
             cached_on_prefill_tokens=cached.get(prefill.worker.name, 0) * bs if prefill else 0,
             prefill_wait_s=(
-                _tokens_ahead(prefill.worker, num_prompt_tokens) / cfg.cost.prefill_tokens_per_s
+                _tokens_ahead(prefill.worker, num_prompt_tokens) / cost.prefill_tokens_per_s
                 if prefill
                 else 0.0
             ),
-            decode_wait_s=d.waiting * num_prompt_tokens / cfg.cost.decode_prefill_tokens_per_s,
+            decode_wait_s=d.waiting * num_prompt_tokens / cost.decode_prefill_tokens_per_s,
             decode_running=max(d.running, d.assigned),
             prefill_available=prefill is not None,
             decode_is_colocated=d.role is Role.BOTH,
         )
-        decision = decide(inp, cfg.cost)
+        decision = decide(inp, cost)
         return Plan(
             decode=decode,
             prefill=prefill if decision.where is Where.REMOTE else None,

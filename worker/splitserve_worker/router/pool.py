@@ -51,6 +51,7 @@ class WorkerPool:
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self._on_change = on_change
+        self.on_compat: Callable[[pb.CompatInfo], None] | None = None
         self._members: dict[str, Member] = {}
         self._snapshot: tuple[WorkerView, ...] = ()
         self._changed = asyncio.Event()
@@ -159,6 +160,8 @@ class WorkerPool:
             return False
         was = m.view.healthy
         m.compat = h.compat
+        if self.on_compat is not None and h.HasField("compat"):
+            self.on_compat(h.compat)
         m.view = replace(
             m.view,
             healthy=True,

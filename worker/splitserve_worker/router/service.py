@@ -57,6 +57,10 @@ class RouterService:
             cfg, self.pool, self.planner, engine_block_hashes(cfg.block_size), self.metrics
         )
         self._follow: asyncio.Task[None] | None = None
+        est = self.planner.estimator
+        self.pool.on_compat = lambda c: est.observe_compat(
+            c.num_layers, c.kv_heads, c.head_dim, c.dtype
+        )
 
     def _on_change(self) -> None:
         self.dispatcher.update_capacity()
