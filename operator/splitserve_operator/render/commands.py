@@ -1,0 +1,137 @@
+"""The worker and router command lines, ports, mounts and probes, in one place.
+
+The ``splitserve worker`` and ``splitserve router`` flags are defined by the
+worker package; when they change, this file is the only one to align.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from splitserve_operator.spec import InferenceServiceSpec, Pool
+
+EXECUTABLE = "splitserve"
+"""The console script the worker image puts on PATH."""
+
+WORKER_GRPC_PORT = 50051
+"""Workers' gRPC port: Prefill/Reserve/Decode calls and KV pushes (``grpc`` backend)."""
+WORKER_METRICS_PORT = 9100
+"""Workers' Prometheus ``/metrics`` port."""
+ROUTER_HTTP_PORT = 8000
+"""The router's OpenAI-compatible HTTP port; it also serves ``/metrics``."""
+ROUTER_METRICS_SERVICE_PORT = 9100
+"""Service port named ``metrics`` on the router Service (targets the HTTP port)."""
+
+CONFIG_DIR = "/etc/splitserve"
+CONFIG_FILE = "splitserve.json"
+TOKEN_DIR = "/var/run/secrets/splitserve"
+TOKEN_KEY = "token"
+TOKEN_FILE = f"{TOKEN_DIR}/{TOKEN_KEY}"
+TMP_DIR = "/tmp"
+CACHE_DIR = "/cache"
+SHM_DIR = "/dev/shm"
+BIND_ALL = "0.0.0.0"
+"""Workers and router listen on every interface of the pod (the CLIs default to loopback)."""
+POD_IP_ENV = "POD_IP"
+"""Set from the downward API; ``$(POD_IP)`` in args expands to the pod's address."""
+ROLE_LABEL = "splitserve.io/role"
+"""Pod label the router's Kubernetes discovery reads a worker's role from."""
+
+
+def worker_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
+    """``splitserve worker`` arguments for a prefill or decode pod."""
+    if pool not in (Pool.PREFILL, Pool.DECODE):
+        raise ValueError(f"{pool} is not a worker pool")
+    return [
+        "worker",
+        "--role",
+        pool.value,
+        "--model",
+        spec.model.weights,
+        "--dtype",
+        spec.model.dtype.value,
+        "--host",
+        BIND_ALL,
+        "--port",
+        str(WORKER_GRPC_PORT),
+        "--advertise-address",
+        f"$({POD_IP_ENV}):{WORKER_GRPC_PORT}",
+        "--kv-backend",
+        spec.kv_transfer.backend.value,
+        "--lease-seconds",
+        str(spec.kv_transfer.lease_seconds),
+        "--token-file",
+        TOKEN_FILE,
+        "--metrics-port",
+        str(WORKER_METRICS_PORT),
+    ]
+
+
+def router_args(spec: InferenceServiceSpec, namespace: str, selector: str) -> list[str]:
+    """``splitserve router`` arguments: discover the instance's workers through the API
+    (pods matching ``selector``, role from the :data:`ROLE_LABEL` label)."""
+    return [
+        "router",
+        "--model",
+        spec.model.weights,
+        "--served-model-name",
+        spec.model.name,
+        "--host",
+        BIND_ALL,
+        "--port",
+        str(ROUTER_HTTP_PORT),
+        "--discovery",
+        "kubernetes",
+        "--namespace",
+        namespace,
+        "--selector",
+        selector,
+        "--role-label",
+        ROLE_LABEL,
+        "--kv-backend",
+        spec.kv_transfer.backend.value,
+        "--token-file",
+        TOKEN_FILE,
+    ]
+
+
+def base_env() -> list[dict[str, Any]]:
+    """Environment every container gets: its address, writable caches on a read-only root."""
+    return [
+        {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "HOME", "value": TMP_DIR},
+        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {"name": "SPLITSERVE_CONFIG", "value": f"{CONFIG_DIR}/{CONFIG_FILE}"},
+    ]
+
+
+def worker_ports() -> list[dict[str, Any]]:
+    return [
+        {"name": "grpc", "containerPort": WORKER_GRPC_PORT, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": WORKER_METRICS_PORT, "protocol": "TCP"},
+    ]
+
+
+def router_ports() -> list[dict[str, Any]]:
+    return [{"name": "http", "containerPort": ROUTER_HTTP_PORT, "protocol": "TCP"}]
+
+
+def worker_probes() -> dict[str, Any]:
+    """TCP probes on the gRPC port; the startup probe allows 30 minutes to load weights."""
+    tcp = {"tcpSocket": {"port": "grpc"}}
+    return {
+        "startupProbe": {**tcp, "periodSeconds": 10, "failureThreshold": 180},
+        "readinessProbe": {**tcp, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**tcp, "periodSeconds": 20, "failureThreshold": 3},
+    }
+
+
+def router_probes() -> dict[str, Any]:
+    tcp = {"tcpSocket": {"port": "http"}}
+    return {
+        "readinessProbe": {**tcp, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**tcp, "periodSeconds": 20, "failureThreshold": 3},
+    }

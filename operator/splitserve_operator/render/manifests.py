@@ -1,0 +1,72 @@
+"""``render()``: every object of one InferenceService, in the order to apply them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from splitserve_operator.render import support, workloads
+from splitserve_operator.render.names import ServiceRef
+from splitserve_operator.spec import InferenceServiceSpec, Pool
+
+
+@dataclass(frozen=True)
+class Desired:
+    """One object the operator wants to exist."""
+
+    manifest: dict[str, Any]
+    create_only: bool = False
+    """Create when absent, never patch (the token Secret: generated once)."""
+
+    @property
+    def api_version(self) -> str:
+        return str(self.manifest["apiVersion"])
+
+    @property
+    def kind(self) -> str:
+        return str(self.manifest["kind"])
+
+    @property
+    def name(self) -> str:
+        return str(self.manifest["metadata"]["name"])
+
+    @property
+    def namespace(self) -> str:
+        return str(self.manifest["metadata"]["namespace"])
+
+
+@dataclass(frozen=True)
+class RenderInputs:
+    """What render needs besides the spec; chosen by the caller so render stays pure."""
+
+    replicas: Mapping[Pool, int]
+    """Per pool, from :func:`splitserve_operator.render.plan_replicas`."""
+    token: str
+    """A fresh random token; used only if the Secret does not exist yet."""
+    router_cluster_role: str = "splitserve-router"
+    """The chart's ClusterRole that lets a router discover its workers."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+def render(ref: ServiceRef, spec: InferenceServiceSpec, inputs: RenderInputs) -> list[Desired]:
+    config = support.config_map(ref, spec)
+    config_hash = support.config_hash(config)
+    objects = [
+        Desired(config),
+        Desired(support.token_secret(ref, inputs.token), create_only=True),
+        Desired(support.router_service_account(ref)),
+        Desired(support.router_role_binding(ref, inputs.router_cluster_role)),
+    ]
+    if spec.network_policy.enabled:
+        objects.append(Desired(support.network_policy(ref, spec)))
+    objects += [Desired(workloads.service(ref, spec, pool)) for pool in Pool]
+    objects += [
+        Desired(
+            workloads.deployment(
+                ref, spec, pool, replicas=inputs.replicas[pool], config_hash=config_hash
+            )
+        )
+        for pool in Pool
+    ]
+    return objects

@@ -1,0 +1,262 @@
+"""The emulator fixture itself: what it adds to kmock must behave like an API server,
+or the operator tests built on it prove nothing."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import pytest
+import urllib3
+from splitserve_operator.emulator import KubeEmulator, merge_patch
+from splitserve_operator.k8s import (
+    DEPLOYMENT,
+    INFERENCE_SERVICE,
+    JSON_PATCH,
+    KINDS,
+    AlreadyExists,
+    ApiError,
+    Invalid,
+    NotFound,
+)
+
+pytestmark = pytest.mark.integration
+
+CONFIGMAP = KINDS[("v1", "ConfigMap")]
+
+
+def _cm(name: str, namespace: str = "ns", **extra: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": namespace, **extra},
+        "data": {"a": "1"},
+    }
+
+
+def test_create_fills_server_metadata(kube_client) -> None:
+    first = kube_client.create(_cm("x"))
+    made = kube_client.create(_cm("y"))
+    meta = made["metadata"]
+    assert meta["namespace"] == "ns"
+    assert meta["uid"] and meta["uid"] != first["metadata"]["uid"]
+    assert meta["creationTimestamp"].endswith("Z")
+    assert meta["generation"] == 1
+    assert int(meta["resourceVersion"]) > int(first["metadata"]["resourceVersion"])
+    assert kube_client.get(CONFIGMAP, "ns", "y") == made
+
+
+def test_namespace_comes_from_the_url(kube_client) -> None:
+    body = _cm("z")
+    del body["metadata"]["namespace"]
+    made = kube_client.request("POST", CONFIGMAP.path("from-url"), body=body)
+    assert made["metadata"]["namespace"] == "from-url"
+
+
+def test_duplicate_create_is_409_already_exists(kube_client) -> None:
+    kube_client.create(_cm("dup"))
+    with pytest.raises(AlreadyExists) as exc:
+        kube_client.create(_cm("dup"))
+    assert exc.value.status == 409
+
+
+def test_create_answers_201(kube) -> None:
+    http = urllib3.PoolManager()
+    r = http.request(
+        "POST",
+        kube.url + CONFIGMAP.path("ns"),
+        body=json.dumps(_cm("c201")),
+        headers={"Content-Type": "application/json"},
+    )
+    assert r.status == 201
+
+
+def test_writes_bump_resource_version_and_spec_changes_bump_generation(kube_client) -> None:
+    made = kube_client.create(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "d", "namespace": "ns"},
+            "spec": {"replicas": 1},
+        }
+    )
+    rv0 = int(made["metadata"]["resourceVersion"])
+    relabelled = kube_client.patch(DEPLOYMENT, "ns", "d", {"metadata": {"labels": {"a": "b"}}})
+    assert int(relabelled["metadata"]["resourceVersion"]) > rv0
+    assert relabelled["metadata"]["generation"] == 1
+    scaled = kube_client.patch(DEPLOYMENT, "ns", "d", {"spec": {"replicas": 3}})
+    assert scaled["metadata"]["generation"] == 2
+    assert scaled["metadata"]["uid"] == made["metadata"]["uid"]
+    same = kube_client.patch(DEPLOYMENT, "ns", "d", {"spec": {"replicas": 3}})
+    assert same["metadata"]["resourceVersion"] == scaled["metadata"]["resourceVersion"]
+
+
+def test_server_fields_cannot_be_patched(kube_client) -> None:
+    made = kube_client.create(_cm("keep"))
+    patched = kube_client.patch(
+        CONFIGMAP, "ns", "keep", {"metadata": {"uid": "forged", "generation": 99}}
+    )
+    assert patched["metadata"]["uid"] == made["metadata"]["uid"]
+    assert patched["metadata"]["generation"] == 1
+
+
+def test_stale_resource_version_in_a_merge_patch_is_409(kube_client) -> None:
+    made = kube_client.create(_cm("rv"))
+    kube_client.patch(CONFIGMAP, "ns", "rv", {"data": {"a": "2"}})
+    with pytest.raises(ApiError) as exc:
+        kube_client.patch(
+            CONFIGMAP,
+            "ns",
+            "rv",
+            {
+                "metadata": {"resourceVersion": made["metadata"]["resourceVersion"]},
+                "data": {"a": "3"},
+            },
+        )
+    assert exc.value.status == 409
+
+
+def test_json_patch_test_failure_is_422_and_changes_nothing(kube_client) -> None:
+    made = kube_client.create(_cm("jp"))
+    ops = [
+        {"op": "test", "path": "/metadata/resourceVersion", "value": "nope"},
+        {"op": "add", "path": "/metadata/finalizers", "value": ["x"]},
+    ]
+    with pytest.raises(Invalid):
+        kube_client.patch(CONFIGMAP, "ns", "jp", ops, content_type=JSON_PATCH)
+    assert kube_client.get(CONFIGMAP, "ns", "jp") == made
+    rv = made["metadata"]["resourceVersion"]
+    ops[0]["value"] = rv
+    patched = kube_client.patch(CONFIGMAP, "ns", "jp", ops, content_type=JSON_PATCH)
+    assert patched["metadata"]["finalizers"] == ["x"]
+
+
+def test_status_subresource_separates_spec_and_status(kube_client, inference_service) -> None:
+    made = kube_client.create(inference_service("s") | {"status": {"bogus": 1}})
+    assert "status" not in made
+    main = kube_client.patch(
+        INFERENCE_SERVICE, "default", "s", {"spec": {"image": "other:1"}, "status": {"x": 1}}
+    )
+    assert main["spec"]["image"] == "other:1" and "status" not in main
+    status = kube_client.patch(
+        INFERENCE_SERVICE,
+        "default",
+        "s",
+        {"spec": {"image": "ignored:1"}, "status": {"x": 2}},
+        subresource="status",
+    )
+    assert status["status"] == {"x": 2} and status["spec"]["image"] == "other:1"
+    assert status["metadata"]["generation"] == 2
+
+
+def test_finalizers_delay_deletion(kube_client) -> None:
+    kube_client.create(_cm("fin", finalizers=["test/hold"]))
+    kube_client.delete(CONFIGMAP, "ns", "fin")
+    held = kube_client.get(CONFIGMAP, "ns", "fin")
+    assert held is not None and held["metadata"]["deletionTimestamp"]
+    kube_client.patch(CONFIGMAP, "ns", "fin", {"metadata": {"finalizers": None}})
+    assert kube_client.get(CONFIGMAP, "ns", "fin") is None
+
+
+def test_garbage_collection_follows_owner_uids(kube_client) -> None:
+    owner = kube_client.create(_cm("owner"))
+    ref = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "name": "owner",
+        "uid": owner["metadata"]["uid"],
+        "controller": True,
+    }
+    kube_client.create(_cm("child", ownerReferences=[ref]))
+    kube_client.create(_cm("stranger", ownerReferences=[ref | {"uid": "someone-else"}]))
+    kube_client.delete(CONFIGMAP, "ns", "owner")
+    assert kube_client.get(CONFIGMAP, "ns", "child") is None
+    assert kube_client.get(CONFIGMAP, "ns", "stranger") is not None
+
+
+def test_watch_streams_added_modified_deleted(kube, kube_client) -> None:
+    events: list[tuple[str, str]] = []
+    got_three = threading.Event()
+    http = urllib3.PoolManager()
+    response = http.request(
+        "GET", kube.url + CONFIGMAP.path() + "?watch=true", preload_content=False
+    )
+
+    def read() -> None:
+        buffer = b""
+        for chunk in response.stream(1024):
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in filter(None, lines):
+                event = json.loads(line)
+                events.append((event["type"], event["object"]["metadata"]["resourceVersion"]))
+                if len(events) >= 3:
+                    got_three.set()
+                    return
+
+    threading.Thread(target=read, daemon=True).start()
+    made = kube_client.create(_cm("w"))
+    patched = kube_client.patch(CONFIGMAP, "ns", "w", {"data": {"a": "2"}})
+    kube_client.delete(CONFIGMAP, "ns", "w")
+    assert got_three.wait(5), events
+    assert [e[0] for e in events] == ["ADDED", "MODIFIED", "DELETED"]
+    assert events[0][1] == made["metadata"]["resourceVersion"]
+    assert events[1][1] == patched["metadata"]["resourceVersion"]
+    response.release_conn()
+
+
+def test_faults_refuse_a_write_before_it_happens(kube, kube_client) -> None:
+    import kmock
+
+    kube.add_fault(
+        lambda request: (
+            kmock.KubernetesError(status=500, reason="InternalError", message="injected")
+            if request.name == "x"
+            or (
+                isinstance(request.data, dict)
+                and request.data.get("metadata", {}).get("name") == "x"
+            )
+            else None
+        )
+    )
+    with pytest.raises(ApiError) as exc:
+        kube_client.create(_cm("x"))
+    assert exc.value.status == 500 and exc.value.transient
+    assert kube_client.get(CONFIGMAP, "ns", "x") is None
+    kube.clear_faults()
+    kube_client.create(_cm("x"))
+
+
+def test_discovery_declares_namespaces_and_the_crd(kube_client) -> None:
+    core = kube_client.request("GET", "/api/v1")
+    assert "namespaces" in {r["name"] for r in core["resources"]}
+    group = kube_client.request("GET", "/apis/splitserve.io/v1alpha1")
+    names = {r["name"] for r in group["resources"]}
+    assert {"inferenceservices", "inferenceservices/status"} <= names
+    with pytest.raises(NotFound):
+        kube_client.request("GET", "/apis/splitserve.io/v1alpha1/namespaces/x/inferenceservices/y")
+
+
+def test_request_log_records_every_request(kube, kube_client) -> None:
+    kube_client.create(_cm("logged"))
+    kube_client.get(CONFIGMAP, "ns", "logged")
+    seen = kube.requests()
+    assert [(s.method, s.path) for s in seen[-2:]] == [
+        ("POST", "/api/v1/namespaces/ns/configmaps"),
+        ("GET", "/api/v1/namespaces/ns/configmaps/logged"),
+    ]
+
+
+def test_merge_patch_is_rfc7386() -> None:
+    assert merge_patch({"a": {"b": 1, "c": 2}, "l": [1]}, {"a": {"b": None, "d": 3}, "l": [2]}) == {
+        "a": {"c": 2, "d": 3},
+        "l": [2],
+    }
+    assert merge_patch({"a": 1}, {"a": {"x": None}}) == {"a": {}}
+
+
+def test_emulator_declares_resources_with_verbs() -> None:
+    emulator = KubeEmulator()
+    info = emulator.resources["apps/v1/deployments"]
+    assert {"list", "watch", "patch"} <= info.verbs and "status" in info.subresources

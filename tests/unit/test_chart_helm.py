@@ -1,0 +1,127 @@
+"""The Helm chart with the real helm binary: lint, template, values schema, and the
+rendered manifests valid for Kubernetes and within the "restricted" profile."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import kubernetes_validate
+import pytest
+from splitserve_operator import chart
+from splitserve_operator.render.security import restricted_violations
+
+pytestmark = pytest.mark.unit
+
+K8S_VERSION = "1.32"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _helm() -> None:
+    if chart.find_helm() is None:
+        if os.environ.get("CI"):
+            pytest.fail("helm is missing in CI: .ci/install-tools.sh should have installed it")
+        pytest.skip("helm is not installed: run bash .ci/install-tools.sh .venv")
+
+
+def test_lint_strict() -> None:
+    result = chart.helm("lint", "--strict", str(chart.CHART), check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    result = chart.helm(
+        "lint",
+        "--strict",
+        str(chart.CHART),
+        "--set",
+        "serviceMonitor.enabled=true",
+        "--set",
+        "operator.watchNamespaces={a,b}",
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        (),
+        ("serviceMonitor.enabled=true",),
+        ("operator.watchNamespaces={team-a,team-b}",),
+        ("serviceAccount.create=false", "serviceAccount.name=existing", "rbac.create=false"),
+    ],
+    ids=["defaults", "servicemonitor", "namespaced", "bring-your-own-account"],
+)
+def test_rendered_manifests_are_valid(sets: tuple[str, ...]) -> None:
+    documents = chart.template(sets=sets, include_crds=True)
+    kinds = [d["kind"] for d in documents]
+    assert "Deployment" in kinds and "CustomResourceDefinition" in kinds
+    for doc in documents:
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # not a built-in kind: no schema ships with kubernetes-validate
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_the_operator_pod_is_restricted_and_runs_the_operator() -> None:
+    (deployment,) = [d for d in chart.template() if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert restricted_violations(pod) == []
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    (container,) = pod["containers"]
+    assert container["image"] == "splitserve/operator:0.1.0"
+    assert "--router-cluster-role=splitserve-router" in container["args"]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def test_watch_namespaces_bind_per_namespace() -> None:
+    documents = chart.template(sets=["operator.watchNamespaces={team-a,team-b}"])
+    kinds = [(d["kind"], d["metadata"].get("namespace")) for d in documents]
+    assert ("ClusterRoleBinding", None) not in kinds
+    assert ("RoleBinding", "team-a") in kinds and ("RoleBinding", "team-b") in kinds
+    (deployment,) = [d for d in documents if d["kind"] == "Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args
+
+
+def test_service_monitor_scrapes_the_workload_metrics_ports() -> None:
+    (monitor,) = [
+        d
+        for d in chart.template(sets=["serviceMonitor.enabled=true"])
+        if d["kind"] == "ServiceMonitor"
+    ]
+    assert (
+        monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/managed-by"]
+        == "splitserve-operator"
+    )
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    labels = {r["targetLabel"] for r in monitor["spec"]["endpoints"][0]["relabelings"]}
+    assert labels == {"inferenceservice", "pool"}
+    assert not [d for d in chart.template() if d["kind"] == "ServiceMonitor"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "operator.workers=0",
+        "image.pullPolicy=Sometimes",
+        "unknownKey=1",
+        "operator.watchNamespaces={Bad_NS}",
+        "serviceMonitor.interval=soon",
+    ],
+)
+def test_values_schema_rejects_bad_values(bad: str) -> None:
+    with pytest.raises(subprocess.CalledProcessError) as exc:
+        chart.template(sets=[bad])
+    assert (
+        "values don't meet the specifications" in exc.value.stderr
+        or "schema" in exc.value.stderr.lower()
+    )
+
+
+def test_notes_render() -> None:
+    out = chart.helm(
+        "install", "splitserve", str(chart.CHART), "--dry-run=client", "--namespace", "x"
+    )
+    notes = out.stdout.split("NOTES:", 1)[1]
+    assert (
+        "kubectl get sisvc" in notes and "It serves InferenceServices in every namespace" in notes
+    )

@@ -1,0 +1,90 @@
+"""Least privilege: the verbs the chart grants, listed, and no wildcard anywhere."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from splitserve_operator import chart
+
+pytestmark = pytest.mark.unit
+
+# Every permission the operator holds, and why (templates/rbac.yaml says the same).
+EXPECTED = {
+    ("splitserve.io", "inferenceservices"): {"get", "list", "watch", "patch"},
+    ("splitserve.io", "inferenceservices/status"): {"get", "patch"},
+    ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
+    ("", "services"): {"get", "create", "patch"},
+    ("", "configmaps"): {"get", "create", "patch"},
+    ("", "serviceaccounts"): {"get", "create", "patch"},
+    ("", "secrets"): {"create"},
+    ("", "events"): {"create"},
+    ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"get", "create", "patch"},
+    ("rbac.authorization.k8s.io", "clusterroles"): {"bind"},
+}
+ROUTER = {
+    ("", "pods"): {"get", "list", "watch"},
+    ("discovery.k8s.io", "endpointslices"): {"get", "list", "watch"},
+}
+
+
+@pytest.fixture(scope="module")
+def documents() -> list[dict]:
+    if chart.find_helm() is None:
+        if os.environ.get("CI"):
+            pytest.fail("helm is missing in CI")
+        pytest.skip("helm is not installed: run bash .ci/install-tools.sh .venv")
+    return chart.template()
+
+
+def verbs(rules: list[dict]) -> dict[tuple[str, str], set[str]]:
+    out: dict[tuple[str, str], set[str]] = {}
+    for rule in rules:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                out.setdefault((group, resource), set()).update(rule["verbs"])
+    return out
+
+
+def test_no_wildcards(documents: list[dict]) -> None:
+    for doc in documents:
+        if doc["kind"] not in ("ClusterRole", "Role"):
+            continue
+        for rule in doc["rules"]:
+            for field in ("apiGroups", "resources", "verbs", "resourceNames"):
+                assert "*" not in rule.get(field, []), (doc["metadata"]["name"], rule)
+            assert not any("*" in r for r in rule["resources"]), rule
+            assert "nonResourceURLs" not in rule
+
+
+def test_operator_verbs_are_exactly_these(documents: list[dict]) -> None:
+    granted = verbs(chart.rules(documents, "splitserve"))
+    for (group, resource), allowed in sorted(granted.items()):
+        print(f"{group or 'core'}/{resource}: {', '.join(sorted(allowed))}")
+    assert granted == EXPECTED
+
+
+def test_the_operator_may_not_read_or_delete_secrets_or_escalate(documents: list[dict]) -> None:
+    rules = chart.rules(documents, "splitserve")
+    for verb in ("get", "list", "watch", "patch", "delete"):
+        assert not chart.allows(rules, "", "secrets", verb)
+    for verb in ("escalate", "create", "patch"):
+        assert not chart.allows(rules, "rbac.authorization.k8s.io", "clusterroles", verb)
+    assert not chart.allows(rules, "rbac.authorization.k8s.io", "clusterroles", "bind", "admin")
+    assert chart.allows(
+        rules, "rbac.authorization.k8s.io", "clusterroles", "bind", "splitserve-router"
+    )
+    assert not any("delete" in v or "deletecollection" in v for v in verbs(rules).values())
+
+
+def test_router_role_is_read_only_discovery(documents: list[dict]) -> None:
+    assert verbs(chart.rules(documents, "splitserve-router")) == ROUTER
+
+
+def test_the_binding_names_the_operator_account(documents: list[dict]) -> None:
+    (binding,) = [d for d in documents if d["kind"] == "ClusterRoleBinding"]
+    assert binding["roleRef"]["name"] == "splitserve"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "splitserve", "namespace": "splitserve-system"}
+    ]

@@ -1,0 +1,261 @@
+"""Reconcile against an in-memory fake of the API (no HTTP): idempotence, the token,
+ownership, and how each API failure is reported."""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+from splitserve_operator.k8s import (
+    AlreadyExists,
+    ApiError,
+    Forbidden,
+    Invalid,
+    Kind,
+    NotFound,
+    kind_of,
+)
+from splitserve_operator.reconcile import Action, Reconciler, RetryLater, Serializer
+
+pytestmark = pytest.mark.unit
+
+
+class FakeCluster:
+    """Objects in a dict; ``fail`` maps (verb, kind, name) to an error to raise."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.calls: list[tuple[str, str, str]] = []
+        self.events: list[tuple[str, str, str]] = []
+        self.fail: dict[tuple[str, str, str], ApiError] = {}
+        self.version = 0
+
+    def _check(self, verb: str, kind: str, name: str) -> None:
+        self.calls.append((verb, kind, name))
+        error = self.fail.get((verb, kind, name))
+        if error is not None:
+            raise error
+
+    def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
+        self._check("get", kind.kind, name)
+        obj = self.objects.get((kind.kind, namespace, name))
+        return copy.deepcopy(obj) if obj else None
+
+    def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        kind = kind_of(manifest)
+        meta = manifest["metadata"]
+        self._check("create", kind.kind, meta["name"])
+        key = (kind.kind, meta["namespace"], meta["name"])
+        if key in self.objects:
+            raise AlreadyExists(409, "AlreadyExists", "exists")
+        self.version += 1
+        obj = copy.deepcopy(dict(manifest))
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        obj["metadata"].setdefault("generation", 1)
+        self.objects[key] = obj
+        return copy.deepcopy(obj)
+
+    def patch(
+        self,
+        kind: Kind,
+        namespace: str,
+        name: str,
+        patch: Any,
+        *,
+        subresource: str | None = None,
+        content_type: str = "",
+    ) -> dict[str, Any]:
+        from splitserve_operator.emulator import merge_patch
+
+        self._check("patch" if subresource is None else f"patch/{subresource}", kind.kind, name)
+        key = (kind.kind, namespace, name)
+        if key not in self.objects:
+            raise NotFound(404, "NotFound", "gone")
+        self.objects[key] = merge_patch(self.objects[key], patch)
+        return copy.deepcopy(self.objects[key])
+
+    def event(self, involved: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+        self.events.append((type_, reason, message))
+
+
+NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+
+def reconciler(cluster: FakeCluster) -> Reconciler:
+    tokens = iter(f"token-{i}" for i in range(100))
+    return Reconciler(
+        cluster, clock=lambda: NOW, token_factory=lambda: next(tokens), retry_delay=0.5
+    )
+
+
+def service(cluster: FakeCluster, **spec: Any) -> dict[str, Any]:
+    body = {
+        "apiVersion": "splitserve.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "demo", "namespace": "ns", "uid": "u1", "generation": 1},
+        "spec": {"model": {"name": "m"}, "image": "img:1", **spec},
+    }
+    cluster.objects[("InferenceService", "ns", "demo")] = copy.deepcopy(body)
+    return body
+
+
+def latest(cluster: FakeCluster) -> dict[str, Any]:
+    return copy.deepcopy(cluster.objects[("InferenceService", "ns", "demo")])
+
+
+def test_first_reconcile_creates_without_reading_then_nothing_changes() -> None:
+    cluster = FakeCluster()
+    rec = reconciler(cluster)
+    outcome = rec.reconcile(service(cluster))
+    assert len(outcome.created) == 11 and not outcome.problems
+    assert not [c for c in cluster.calls if c[0] == "get"]
+    assert cluster.events[0][:2] == ("Normal", "Created")
+    cluster.calls.clear()
+    again = rec.reconcile(latest(cluster))
+    assert set(again.actions.values()) == {Action.UNCHANGED}
+    assert [c for c in cluster.calls if c[0] != "get" and c[1] != "Secret"] == []
+    assert cluster.events[1:] == []
+
+
+def test_the_token_is_never_regenerated() -> None:
+    cluster = FakeCluster()
+    rec = reconciler(cluster)
+    rec.reconcile(service(cluster))
+    rec.reconcile(latest(cluster))
+    rec.reconcile(latest(cluster) | {"status": {}})  # as after a restart
+    secret = cluster.objects[("Secret", "ns", "demo-worker-token")]
+    assert secret["stringData"] == {"token": "token-0"}
+    assert not [c for c in cluster.calls if c[1] == "Secret" and c[0] in ("get", "patch")]
+
+
+def test_spec_changes_are_patched() -> None:
+    cluster = FakeCluster()
+    rec = reconciler(cluster)
+    rec.reconcile(service(cluster))
+    body = latest(cluster)
+    body["spec"]["decode"] = {"replicas": 4}
+    body["metadata"]["generation"] = 2
+    outcome = rec.reconcile(body)
+    assert outcome.patched == ["Deployment/demo-decode"]
+    assert cluster.objects[("Deployment", "ns", "demo-decode")]["spec"]["replicas"] == 4
+    assert latest(cluster)["status"]["observedGeneration"] == 2
+
+
+def test_an_invalid_spec_is_reported_once_and_touches_nothing() -> None:
+    cluster = FakeCluster()
+    rec = reconciler(cluster)
+    body = service(cluster, decode={"replicas": -1})
+    outcome = rec.reconcile(body)
+    assert outcome.problems and not outcome.actions
+    degraded = next(c for c in latest(cluster)["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "InvalidSpec" and "spec.decode.replicas" in degraded["message"]
+    rec.reconcile(latest(cluster))
+    assert [e[1] for e in cluster.events] == ["InvalidSpec"]  # not repeated
+    assert set(k[0] for k in cluster.objects) == {"InferenceService"}
+
+
+def test_objects_being_deleted_are_left_to_the_garbage_collector() -> None:
+    cluster = FakeCluster()
+    body = service(cluster)
+    body["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert reconciler(cluster).reconcile(body).skipped
+    assert cluster.calls == []
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (Invalid(422, "Invalid", "spec.template.spec.affinity: Invalid value"), "ApplyFailed"),
+        (Forbidden(403, "Forbidden", "cannot create deployments"), "Forbidden"),
+    ],
+)
+def test_refusals_become_degraded_and_the_rest_is_applied(error: ApiError, reason: str) -> None:
+    cluster = FakeCluster()
+    cluster.fail[("create", "Deployment", "demo-decode")] = error
+    outcome = reconciler(cluster).reconcile(service(cluster))
+    assert outcome.actions["Deployment/demo-decode"] == Action.FAILED
+    assert ("Deployment", "ns", "demo-router") in cluster.objects
+    degraded = next(c for c in latest(cluster)["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == reason and error.message in degraded["message"]
+    assert ("Warning", reason) in [e[:2] for e in cluster.events]
+
+
+@pytest.mark.parametrize("status", [0, 429, 500, 503])
+def test_transient_failures_ask_for_a_retry(status: int) -> None:
+    cluster = FakeCluster()
+    cluster.fail[("create", "ConfigMap", "demo-config")] = ApiError(status, "x", "try later")
+    with pytest.raises(RetryLater) as exc:
+        reconciler(cluster).reconcile(service(cluster))
+    assert exc.value.delay == 0.5
+
+
+def test_objects_of_others_are_not_taken_over_but_orphans_of_ours_are() -> None:
+    cluster = FakeCluster()
+    cluster.objects[("Deployment", "ns", "demo-prefill")] = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": "demo-prefill",
+            "namespace": "ns",
+            "ownerReferences": [{"uid": "someone", "controller": True}],
+        },
+        "spec": {"replicas": 9},
+    }
+    cluster.objects[("Service", "ns", "demo-prefill")] = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": "demo-prefill",
+            "namespace": "ns",
+            "labels": {
+                "app.kubernetes.io/managed-by": "splitserve-operator",
+                "app.kubernetes.io/instance": "demo",
+            },
+        },
+        "spec": {},
+    }
+    outcome = reconciler(cluster).reconcile(service(cluster))
+    assert outcome.actions["Deployment/demo-prefill"] == Action.FAILED
+    assert outcome.problems[0].reason.value == "NameConflict"
+    assert cluster.objects[("Deployment", "ns", "demo-prefill")]["spec"]["replicas"] == 9
+    assert outcome.actions["Service/demo-prefill"] == Action.PATCHED
+    adopted = cluster.objects[("Service", "ns", "demo-prefill")]
+    assert adopted["metadata"]["ownerReferences"][0]["uid"] == "u1"
+
+
+def test_serializer_runs_one_at_a_time_and_coalesces_nudges() -> None:
+    serializer = Serializer()
+    key = ("ns", "demo")
+    inside = threading.Event()
+    release = threading.Event()
+    runs: list[str] = []
+
+    def slow() -> None:
+        runs.append("slow")
+        inside.set()
+        release.wait(5)
+
+    thread = threading.Thread(target=lambda: serializer.run(key, slow))
+    thread.start()
+    assert inside.wait(5)
+    for _ in range(3):
+        assert serializer.nudge(key, lambda: runs.append("nudged")) is False
+    release.set()
+    thread.join(5)
+    assert runs == ["slow", "slow"]  # the nudges became one more run of the running fn
+    assert serializer.nudge(key, lambda: runs.append("now")) is True
+    assert runs[-1] == "now"
+
+
+def test_a_lasting_problem_is_announced_once() -> None:
+    cluster = FakeCluster()
+    cluster.fail[("create", "Deployment", "demo-decode")] = Invalid(422, "Invalid", "bad")
+    rec = reconciler(cluster)
+    rec.reconcile(service(cluster))
+    rec.reconcile(latest(cluster))
+    rec.reconcile(latest(cluster))
+    assert [e[1] for e in cluster.events if e[0] == "Warning"] == ["ApplyFailed"]

@@ -1,0 +1,152 @@
+"""Typed spec parsing: defaults, camelCase fields, and errors that say what to fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from splitserve_operator.spec import (
+    Dtype,
+    KvBackend,
+    Pool,
+    ServiceType,
+    SpecError,
+    check_name,
+    parse_spec,
+)
+
+pytestmark = pytest.mark.unit
+
+MINIMAL: dict[str, Any] = {"model": {"name": "m"}, "image": "img:1"}
+
+
+def problems(raw: Any, name: str = "demo") -> list[str]:
+    with pytest.raises(SpecError) as exc:
+        parse_spec(raw, name=name)
+    return exc.value.problems
+
+
+def test_defaults_match_the_crd() -> None:
+    spec = parse_spec(MINIMAL, name="demo")
+    assert spec.model.dtype == Dtype.AUTO and spec.model.weights == "m"
+    assert (spec.prefill.replicas, spec.prefill.gpus) == (1, 1)
+    assert (spec.decode.replicas, spec.decode.gpus) == (1, 1)
+    assert (spec.router.replicas, spec.router.gpus) == (1, 0)
+    assert spec.router.service_type == ServiceType.CLUSTER_IP
+    assert spec.kv_transfer.backend == KvBackend.GRPC and spec.kv_transfer.lease_seconds == 30
+    assert spec.slo.percentile == 0.9 and spec.slo.ttft_seconds is None
+    assert not spec.autoscaling.enabled and spec.autoscaling.interval_seconds == 30
+    assert (spec.autoscaling.prefill.min_replicas, spec.autoscaling.prefill.max_replicas) == (1, 8)
+    assert spec.network_policy.enabled and spec.network_policy.metrics_from is None
+
+
+def test_every_field_parses_from_camel_case() -> None:
+    raw = {
+        "model": {"name": "m", "source": "org/m", "dtype": "bfloat16"},
+        "image": "img:1",
+        "imagePullPolicy": "Always",
+        "imagePullSecrets": [{"name": "regcred"}],
+        "prefill": {
+            "replicas": 2,
+            "gpus": 4,
+            "resources": {"requests": {"cpu": "500m"}},
+            "nodeSelector": {"a": "b"},
+            "tolerations": [{"operator": "Exists"}],
+            "affinity": {"nodeAffinity": {"x": 1}},
+            "env": [{"name": "A", "value": "1"}],
+        },
+        "router": {"serviceType": "LoadBalancer"},
+        "kvTransfer": {"backend": "nixl", "leaseSeconds": 10},
+        "slo": {"ttftSeconds": 0.5, "tpotSeconds": 0.05, "percentile": 0.99},
+        "autoscaling": {
+            "enabled": True,
+            "prometheusUrl": "http://p:9090",
+            "intervalSeconds": 15,
+            "prefill": {"minReplicas": 0, "maxReplicas": 4},
+        },
+        "networkPolicy": {"enabled": False, "metricsFrom": []},
+    }
+    spec = parse_spec(raw, name="demo")
+    assert spec.model.weights == "org/m"
+    assert spec.image_pull_secrets == [{"name": "regcred"}]
+    assert spec.prefill.gpus == 4 and spec.prefill.node_selector == {"a": "b"}
+    assert spec.prefill.affinity is not None and spec.prefill.affinity.node_affinity == {"x": 1}
+    assert spec.router.service_type == ServiceType.LOAD_BALANCER
+    assert spec.kv_transfer.backend == KvBackend.NIXL
+    assert spec.slo.tpot_seconds == 0.05
+    assert spec.autoscaling.bounds(Pool.PREFILL).clamp(9) == 4
+    assert spec.network_policy.metrics_from == []
+    assert spec.pool(Pool.ROUTER) is spec.router
+
+
+def test_numbers_and_booleans_are_strict_as_in_the_schema() -> None:
+    found = problems(
+        {**MINIMAL, "prefill": {"replicas": "2", "gpus": 1.0}, "autoscaling": {"enabled": "yes"}}
+    )
+    assert any(
+        p.startswith("spec.prefill.replicas: Input should be a valid integer") for p in found
+    )
+    assert any(p.startswith("spec.prefill.gpus") for p in found)
+    assert any(p.startswith("spec.autoscaling.enabled") for p in found)
+    assert parse_spec({**MINIMAL, "slo": {"ttftSeconds": 1}}).slo.ttft_seconds == 1.0
+
+
+def test_every_problem_is_listed_with_its_path_and_value() -> None:
+    found = problems(
+        {**MINIMAL, "decode": {"replicas": -1}, "kvTransfer": {"backend": "x"}, "extra": 1},
+        name="Bad_Name",
+    )
+    assert "spec.decode.replicas: Input should be greater than or equal to 0 (got -1)" in found
+    assert any(
+        p.startswith("spec.kvTransfer.backend: Input should be 'grpc' or 'nixl'") for p in found
+    )
+    assert "spec.extra: Extra inputs are not permitted (got 1)" in found
+    assert any(p.startswith("metadata.name") for p in found)
+    assert str(SpecError(found)) == "; ".join(found)
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        (None, "spec: must be an object (got NoneType)"),
+        ([], "spec: must be an object (got list)"),
+        ({"image": "x"}, "spec.model: Field required"),
+        ({**MINIMAL, "image": "two words"}, "spec.image"),
+        ({**MINIMAL, "decode": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}, "gpus field"),
+        ({**MINIMAL, "decode": {"resources": {"limits": {"memory": "4 GB"}}}}, "not a quantity"),
+        ({**MINIMAL, "decode": {"resources": {"limits": {"cpu": -1}}}}, "must not be negative"),
+        ({**MINIMAL, "decode": {"env": [{"name": "1A"}]}}, "not a valid environment variable"),
+        ({**MINIMAL, "decode": {"env": [{"name": "A"}, {"name": "A"}]}}, "listed twice"),
+        ({**MINIMAL, "decode": {"tolerations": [{"value": "v"}]}}, "operator Exists"),
+        ({**MINIMAL, "decode": {"nodeSelector": {"bad key!": "v"}}}, "not a valid label key"),
+        ({**MINIMAL, "decode": {"nodeSelector": {"k": "bad value!"}}}, "not a valid label value"),
+        ({**MINIMAL, "imagePullSecrets": [{"secret": "x"}]}, "{name: SECRET}"),
+        (
+            {**MINIMAL, "autoscaling": {"enabled": True, "prometheusUrl": "ftp://x"}},
+            "is not an http(s) URL",
+        ),
+        (
+            {
+                **MINIMAL,
+                "autoscaling": {
+                    "enabled": True,
+                    "prometheusUrl": "http://p",
+                    "decode": {"minReplicas": 0},
+                },
+                "slo": {"ttftSeconds": 1, "tpotSeconds": 1},
+            },
+            "decode.minReplicas must be at least 1",
+        ),
+        ({**MINIMAL, "slo": {"percentile": 90}}, "spec.slo.percentile"),
+    ],
+)
+def test_invalid_specs_say_what_to_fix(raw: Any, fragment: str) -> None:
+    assert any(fragment in p for p in problems(raw)), problems(raw)
+
+
+def test_names_must_fit_in_service_names() -> None:
+    assert check_name("demo") == []
+    assert check_name("a" * 48) == []
+    assert "at most 48 characters" in check_name("a" * 49)[0]
+    assert check_name("9lives") and check_name("has.dot") and check_name("trailing-")
+    assert check_name(None) == ["metadata.name: missing"]

@@ -1,0 +1,193 @@
+"""Status from observations: conditions the Kubernetes way."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from splitserve_operator.spec import Pool
+from splitserve_operator.status import (
+    PoolObservation,
+    Problem,
+    Reason,
+    compute_status,
+    invalid_status,
+    status_patch,
+)
+
+pytestmark = pytest.mark.unit
+
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+T1 = T0 + dt.timedelta(minutes=5)
+
+
+def deployment(
+    replicas: int, ready: int, generation: int = 1, observed: int = 1, **status: object
+) -> dict[str, object]:
+    return {
+        "metadata": {"generation": generation},
+        "spec": {"replicas": replicas},
+        "status": {
+            "observedGeneration": observed,
+            "replicas": replicas,
+            "readyReplicas": ready,
+            "updatedReplicas": replicas,
+            **status,
+        },
+    }
+
+
+def conditions(status: dict[str, object]) -> dict[str, dict[str, object]]:
+    return {c["type"]: c for c in status["conditions"]}  # type: ignore[index, union-attr]
+
+
+def pools(**ready: int) -> dict[Pool, PoolObservation | None]:
+    return {
+        pool: PoolObservation.from_deployment(deployment(2, ready.get(pool.value, 2)))
+        for pool in Pool
+    }
+
+
+def test_ready_when_every_pool_is_ready() -> None:
+    status = compute_status(
+        generation=3,
+        pools=pools(),
+        desired={p: 2 for p in Pool},
+        problems=[],
+        previous=None,
+        now=T0,
+    )
+    c = conditions(status)
+    assert status["observedGeneration"] == 3
+    assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("True", "AllPoolsReady")
+    assert (c["Progressing"]["status"], c["Progressing"]["reason"]) == ("False", "RolloutComplete")
+    assert c["Degraded"]["status"] == "False"
+    assert c["Ready"]["observedGeneration"] == 3
+    assert status["pools"]["decode"] == {
+        "replicas": 2,
+        "readyReplicas": 2,
+        "updatedReplicas": 2,
+        "desiredReplicas": 2,
+    }
+
+
+def test_not_ready_while_a_pool_is_short() -> None:
+    status = compute_status(
+        generation=1, pools=pools(decode=1), desired={}, problems=[], previous=None, now=T0
+    )
+    c = conditions(status)
+    assert c["Ready"]["status"] == "False" and "decode: 1/2 ready" in c["Ready"]["message"]
+    assert c["Progressing"]["status"] == "True"
+    assert "desiredReplicas" not in status["pools"]["decode"]  # the planner's, untouched
+
+
+def test_a_missing_deployment_is_not_ready() -> None:
+    observed = pools()
+    observed[Pool.ROUTER] = None
+    c = conditions(
+        compute_status(generation=1, pools=observed, desired={}, problems=[], previous=None, now=T0)
+    )
+    assert c["Ready"]["status"] == "False" and "router: no Deployment" in c["Ready"]["message"]
+
+
+def test_problems_and_stalled_rollouts_are_degraded() -> None:
+    c = conditions(
+        compute_status(
+            generation=1,
+            pools=pools(),
+            desired={},
+            problems=[Problem(Reason.APPLY_FAILED, "the API server rejected Deployment/x")],
+            previous=None,
+            now=T0,
+        )
+    )
+    assert (c["Degraded"]["status"], c["Degraded"]["reason"]) == ("True", "ApplyFailed")
+    stalled = {
+        p: PoolObservation.from_deployment(
+            deployment(
+                2,
+                1,
+                conditions=[
+                    {
+                        "type": "Progressing",
+                        "status": "False",
+                        "reason": "ProgressDeadlineExceeded",
+                        "message": "ReplicaSet has timed out",
+                    }
+                ],
+            )
+        )
+        for p in Pool
+    }
+    c = conditions(
+        compute_status(generation=1, pools=stalled, desired={}, problems=[], previous=None, now=T0)
+    )
+    assert c["Degraded"]["reason"] == "RolloutStalled" and "timed out" in c["Degraded"]["message"]
+
+
+def test_an_old_generation_is_still_rolling_out() -> None:
+    obs = PoolObservation.from_deployment(deployment(2, 2, generation=4, observed=3))
+    assert obs is not None and not obs.rolled_out
+    surplus = PoolObservation.from_deployment(
+        deployment(2, 2)
+        | {
+            "status": {
+                "observedGeneration": 1,
+                "replicas": 3,
+                "readyReplicas": 3,
+                "updatedReplicas": 2,
+            }
+        }
+    )
+    assert surplus is not None and not surplus.rolled_out
+
+
+def test_transition_times_move_only_when_the_status_flips() -> None:
+    first = compute_status(
+        generation=1, pools=pools(decode=0), desired={}, problems=[], previous=None, now=T0
+    )
+    same = compute_status(
+        generation=2, pools=pools(decode=1), desired={}, problems=[], previous=first, now=T1
+    )
+    assert conditions(same)["Ready"]["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+    flipped = compute_status(
+        generation=2, pools=pools(), desired={}, problems=[], previous=same, now=T1
+    )
+    assert conditions(flipped)["Ready"]["lastTransitionTime"] == "2026-01-01T00:05:00Z"
+
+
+def test_invalid_spec_status_says_what_to_fix_and_keeps_other_conditions() -> None:
+    previous = {"conditions": [{"type": "ScalingActive", "status": "True"}]}
+    status = invalid_status(
+        generation=7, problems=["spec.image: Field required"], previous=previous, now=T0
+    )
+    c = conditions(status)
+    assert c["Degraded"]["message"] == "fix the spec: spec.image: Field required"
+    assert c["Ready"]["reason"] == c["Progressing"]["reason"] == "InvalidSpec"
+    assert c["ScalingActive"] == {"type": "ScalingActive", "status": "True"}
+    assert status["observedGeneration"] == 7
+
+
+def test_status_patch_is_minimal_and_keeps_the_planners_fields() -> None:
+    new = {"observedGeneration": 2, "pools": {"decode": {"replicas": 3, "readyReplicas": 1}}}
+    old = {
+        "observedGeneration": 2,
+        "pools": {"decode": {"replicas": 2, "readyReplicas": 1, "desiredReplicas": 3}},
+    }
+    assert status_patch(new, old) == {"pools": {"decode": {"replicas": 3}}}
+    assert status_patch(old | {"pools": {}}, old | {"pools": {}}) is None
+    assert status_patch(new, "garbage") == new  # type: ignore[arg-type]
+
+
+def test_conditions_of_other_writers_are_kept_once() -> None:
+    previous = {
+        "conditions": [
+            {"type": "ScalingActive", "status": "True"},
+            {"type": "Ready", "status": "False"},
+        ]
+    }
+    status = compute_status(
+        generation=1, pools=pools(), desired={}, problems=[], previous=previous, now=T0
+    )
+    types = [c["type"] for c in status["conditions"]]
+    assert sorted(types) == ["Degraded", "Progressing", "Ready", "ScalingActive"]
