@@ -260,3 +260,21 @@ def test_lazy_request_iterables_are_accepted() -> None:
 
     res = Simulator(colocated(), gen()).run()
     assert res.n_finished == 50
+
+
+def test_router_prefills_locally_when_short_or_cheaper() -> None:
+    from splitserve_operator.sim.config import LocalPrefill
+
+    cfg = disagg(layerwise=False, local_prefill=LocalPrefill(), chunk_size=512)
+    # 0: short (<= 64 tokens) -> local; 1: 100 tokens, decode idle -> local (no handoff);
+    # 2: 100 tokens while request 1 decodes -> local would stall it: remote
+    w = table((0.0, 50, 2), (10.0, 100, 40), (10.5, 100, 2))
+    sim = Simulator(cfg, w)
+    res = sim.run()
+    r = by_id(sim)
+    assert r[0].t_first - r[0].arrival == pytest.approx(0.01 + 50 * 0.001)  # no transfer
+    assert r[1].t_first - r[1].arrival == pytest.approx(0.01 + 100 * 0.001)
+    # the router's estimates: local 100/2000 * (1 + 0.5 * 1 running) = 0.075 s, remote
+    # 100/2000 + 0.005 = 0.055 s; so prefill worker, then 6,400 bytes at 128 kB/s
+    assert r[2].t_first - r[2].arrival == pytest.approx(0.11 + 0.05)
+    assert res.extra["local_prefills"] == 2

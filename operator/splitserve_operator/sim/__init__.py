@@ -33,7 +33,10 @@ Model of the system
   (``first_token_after_transfer``); decode instances run continuous batching.
 - The router sends a new request to the active instance with the fewest
   pending prompt tokens minus its prefix-cache hit (Mooncake ``hash_ids``), and
-  a landed KV to the decode instance with the least KV reserved.
+  a landed KV to the decode instance with the least KV reserved. With
+  ``SimConfig.local_prefill`` (:class:`LocalPrefill`) it also copies our
+  router's per-request choice to prefill short or cheap prompts on the decode
+  worker itself (``splitserve_worker.router.decision``).
 - TTFT = first token - arrival; TPOT = (last token - first token) / (output - 1);
   a request attains the SLO when both are within target.
 
@@ -75,6 +78,7 @@ Closed loop (the planner's API)
 
 from splitserve_operator.sim.config import (
     ConfigError,
+    LocalPrefill,
     Mode,
     PoolConfig,
     Role,
@@ -105,6 +109,7 @@ __all__ = [
     "CostModel",
     "GpuSpec",
     "LinkSpec",
+    "LocalPrefill",
     "MeasuredCost",
     "Mode",
     "ModelSpec",

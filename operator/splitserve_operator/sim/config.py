@@ -81,6 +81,9 @@ class SimConfig:
     on the decode worker (our router's Prefill() returns then); else at prefill end."""
     router_overhead_s: float = 0.0
     """Fixed latency the router and HTTP add to every first token."""
+    local_prefill: LocalPrefill | None = None
+    """Disaggregated: let the router prefill some prompts on the decode worker
+    (None: every prompt goes to a prefill worker)."""
     name: str = ""
     extra: Mapping[str, str] = field(default_factory=dict)
     """Free-form labels for reports."""
@@ -122,6 +125,41 @@ class SimConfig:
             f"disaggregated {self.replicas[Role.PREFILL]}P(tp{p.tp}):"
             f"{self.replicas[Role.DECODE]}D(tp{d.tp})"
         )
+
+
+@dataclass(frozen=True)
+class LocalPrefill:
+    """The router's per-request choice to prefill on the decode worker itself
+    (mirrors ``splitserve_worker.router.decision``): always for short prompts,
+    otherwise when its estimate of local time (queue, compute, and the stall it
+    inflicts on running sequences) is below remote time (queue, compute, exposed
+    transfer, handoff). Decode instances then run chunked prefill too."""
+
+    short_prompt_tokens: int = 64
+    prefill_tokens_per_s: float = 2000.0
+    """The router's estimate of a prefill worker's speed (not the simulated one)."""
+    decode_prefill_tokens_per_s: float = 2000.0
+    handoff_overhead_s: float = 0.005
+    decode_stall_weight: float = 0.5
+    exposed_s_per_token: float = 0.0
+    """The router's estimate of exposed transfer per prompt token (0: KV size unknown)."""
+
+    def is_local(
+        self, prompt: int, prefill_tokens_ahead: int, decode_waiting: int, decode_running: int
+    ) -> bool:
+        if prompt <= self.short_prompt_tokens:
+            return True
+        remote = (
+            prefill_tokens_ahead / self.prefill_tokens_per_s
+            + prompt / self.prefill_tokens_per_s
+            + prompt * self.exposed_s_per_token
+            + self.handoff_overhead_s
+        )
+        compute = prompt / self.decode_prefill_tokens_per_s
+        local = (
+            decode_waiting * compute + compute + self.decode_stall_weight * decode_running * compute
+        )
+        return local < remote
 
 
 MEMORY_UTILIZATION = 0.9

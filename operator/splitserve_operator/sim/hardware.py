@@ -42,8 +42,9 @@ class LinkSpec:
     bandwidth: float
     """Nominal one-way bandwidth, bytes/s: a raw lower bound on transfer time."""
     latency_s: float = 0.0
-    """Fixed cost per transfer, seconds (0 for the nominal links: the seed
-    article's figures are bandwidth only; the local gRPC link sets it)."""
+    """Fixed cost per handoff, seconds, on top of the bytes; it does not occupy
+    the link (0 for the nominal links: the seed article's figures are bandwidth
+    only; the local stack's calibration sets it)."""
 
     def transfer_time(self, nbytes: float) -> float:
         """Seconds to move ``nbytes`` over this link alone, nothing overlapped."""

@@ -205,6 +205,8 @@ class DecodeInstance(_SpanMixin, Instance):
     def load(self, req: Request) -> float:
         return (self.batch.reserved + self.waiting_tokens) / self.pool.kv_capacity_tokens
 
+    decode_load = load
+
     def kv_used_tokens(self) -> int:
         b = self.batch
         return b.ctx_off + b.n * (b.step + self.steps_done_now(self.sim.now))
@@ -218,12 +220,15 @@ class DecodeInstance(_SpanMixin, Instance):
         )
 
     def offer(self, req: Request, now: float) -> None:
+        """A request whose KV has landed here."""
         self.waiting.append(req)
         self.waiting_tokens += req.prompt + req.output
         if not self.busy:
             self._boundary(now)
         elif len(self.waiting) == 1 and self._fits(req):
             self._cut_span(now)
+
+    offer_decode = offer
 
     def _boundary(self, now: float) -> None:
         b = self.batch
@@ -320,11 +325,13 @@ class PrefillInstance(Instance):
         link = cfg.link
         assert link is not None
         kv_bytes = sum(r.prompt for r in batch) * cfg.model.kv_bytes_per_token
-        transfer_s = link.latency_s + kv_bytes / (link.bandwidth * cfg.links_per_instance)
+        # bytes occupy the link (FIFO); the fixed latency does not
+        transfer_s = kv_bytes / (link.bandwidth * cfg.links_per_instance)
         end = transfer_end(
             self.link_free, self.t_start, now, transfer_s, cfg.model.layers, cfg.layerwise
         )
         self.link_free = end
+        end += link.latency_s
         for r in batch:
             r.t_prefill_end = now
         sim.kv_sent(batch, end)
@@ -339,7 +346,10 @@ class PrefillInstance(Instance):
 
 class ColocatedInstance(_SpanMixin, Instance):
     """One engine doing both: each step carries every running decode plus
-    prompt chunks up to ``chunk_size`` tokens in all (decode first)."""
+    prompt chunks up to ``chunk_size`` tokens in all (decode first).
+
+    Also the decode instance when the router may prefill locally
+    (``SimConfig.local_prefill``): then it takes landed KV too (:meth:`offer_decode`)."""
 
     role = Role.BOTH
 
@@ -351,8 +361,12 @@ class ColocatedInstance(_SpanMixin, Instance):
         now: float,
         state: State,
         cache: PrefixCache,
+        role: Role = Role.BOTH,
     ) -> None:
         super().__init__(sim, iid, pool, now, state)
+        self.role = role
+        self.landed: deque[Request] = deque()
+        self.landed_tokens = 0
         self.batch = DecodeBatch()
         self.queue: deque[Request] = deque()
         self.queued_tokens = 0
@@ -366,12 +380,25 @@ class ColocatedInstance(_SpanMixin, Instance):
         """The step in flight carries prefill (it is a single step, never cut)."""
 
     def has_work(self) -> bool:
-        return self.busy or bool(self.queue)
+        return self.busy or bool(self.queue) or bool(self.landed)
 
     def load(self, req: Request) -> float:
         hit = self.cache.hit_tokens(req.hash_ids, req.prompt) if req.hash_ids else 0
         # pending prompt tokens, plus a chunk's worth of weight per 32 running decodes
         return self.queued_tokens + self.partial_tokens - hit + self.batch.n * 16
+
+    def decode_load(self, req: Request) -> float:
+        b = self.batch
+        return (b.reserved + self.landed_tokens + self.queued_tokens) / self.pool.kv_capacity_tokens
+
+    def offer_decode(self, req: Request, now: float) -> None:
+        """A request whose KV has landed here: it joins the batch at a step boundary."""
+        self.landed.append(req)
+        self.landed_tokens += req.prompt + req.output
+        if not self.busy:
+            self._boundary(now)
+        elif not self.mixed and len(self.landed) == 1 and self._fits(req):
+            self._cut_span(now)
 
     def kv_used_tokens(self) -> int:
         b = self.batch
@@ -416,6 +443,14 @@ class ColocatedInstance(_SpanMixin, Instance):
                 else:
                     b.admit(req)
             self.finishing = []
+        landed = self.landed
+        while landed and self._fits(landed[0]):
+            req = landed.popleft()
+            need = req.prompt + req.output
+            self.landed_tokens -= need
+            b.reserved += need
+            b.admit(req)
+            sim.decode_admitted(req, now)
         q = self.queue
         caching = sim.config.prefix_caching
         while q and self._fits(q[0]):

@@ -68,6 +68,8 @@ class Simulator:
         self.transfers_in_flight = 0
         self.prefill_tokens = 0
         """Prompt tokens computed so far (instances add to it)."""
+        self.local_prefills = 0
+        """Requests the router prefilled on a decode worker (``SimConfig.local_prefill``)."""
         self._gone_gpu_seconds = 0.0
         self._gone_tokens = 0
         self._reset_window(0.0)
@@ -199,7 +201,10 @@ class Simulator:
             duration_s=last - first_arrival,
             gpu_seconds=self.gpu_seconds(),
             gpus=self.config.gpus,
-            extra={"prefill_tokens": float(self.prefill_tokens)},
+            extra={
+                "prefill_tokens": float(self.prefill_tokens),
+                "local_prefills": float(self.local_prefills),
+            },
         )
 
     # ---------------------------------------------------------------- instances
@@ -208,13 +213,16 @@ class Simulator:
         pool = cfg.pools[role]
         iid = next(self._ids)
         inst: Instance
-        if role is Role.DECODE:
+        blocks = pool.kv_capacity_tokens // self._block_tokens if cfg.prefix_caching else 0
+        if role is Role.DECODE and cfg.local_prefill is None:
             inst = DecodeInstance(self, iid, pool, self.now, state)
+        elif role is Role.PREFILL:
+            inst = PrefillInstance(
+                self, iid, pool, self.now, state, PrefixCache(blocks, self._block_tokens)
+            )
         else:
-            blocks = pool.kv_capacity_tokens // self._block_tokens if cfg.prefix_caching else 0
             cache = PrefixCache(blocks, self._block_tokens)
-            cls = PrefillInstance if role is Role.PREFILL else ColocatedInstance
-            inst = cls(self, iid, pool, self.now, state, cache)
+            inst = ColocatedInstance(self, iid, pool, self.now, state, cache, role)
         self.pools[role].append(inst)
         if state is State.STARTING:
             self.schedule(self.now + cfg.startup_s, self._ready, inst)
@@ -276,9 +284,10 @@ class Simulator:
     # ---------------------------------------------------------------- routing
     def _pick(self, role: Role, req: Request) -> Instance | None:
         best, best_score = None, math.inf
+        decode = role is Role.DECODE
         for inst in self.pools[role]:
             if inst.state is State.ACTIVE:
-                s = inst.load(req)
+                s = inst.decode_load(req) if decode else inst.load(req)  # type: ignore[attr-defined]
                 if s < best_score:
                     best, best_score = inst, s
         return best
@@ -287,8 +296,32 @@ class Simulator:
         inst = self._pick(role, req)
         if inst is None:
             self._pending[role].append(req)
+        elif role is Role.DECODE:
+            inst.offer_decode(req, self.now)  # type: ignore[attr-defined]
         else:
             inst.offer(req, self.now)  # type: ignore[attr-defined]
+
+    def _route_first(self, req: Request) -> None:
+        """Where a new request goes: a prefill (or colocated) worker, or, when the
+        router may prefill locally and judges it cheaper, a decode worker."""
+        policy = self.config.local_prefill
+        if policy is None:
+            self._route(self._first_role, req)
+            return
+        d = self._pick(Role.DECODE, req)
+        p = self._pick(Role.PREFILL, req)
+        if d is None:
+            self._route(Role.PREFILL, req)
+            return
+        assert isinstance(d, ColocatedInstance)
+        ahead = p.queued_tokens + p.running_tokens if isinstance(p, PrefillInstance) else 0
+        waiting = len(d.queue) + len(d.landed)
+        running = d.batch.n + len(d.partial)
+        if p is None or policy.is_local(req.prompt, ahead, waiting, running):
+            self.local_prefills += 1
+            d.offer(req, self.now)
+        else:
+            p.offer(req, self.now)  # type: ignore[attr-defined]
 
     def _dispatch_pending(self, role: Role) -> None:
         q = self._pending[role]
@@ -299,7 +332,7 @@ class Simulator:
         self.n_arrived += 1
         self._w_arrivals += 1
         self._w_in_tokens += req.prompt
-        self._route(self._first_role, req)
+        self._route_first(req)
 
     # ---------------------------------------------------------------- callbacks
     def kv_sent(self, batch: list[Request], t_landed: float) -> None:
@@ -381,8 +414,8 @@ class Simulator:
                 running += i.batch.n
                 used += i.kv_used_tokens()
             elif isinstance(i, ColocatedInstance):
-                queue += len(i.queue)
-                queue_tokens += i.queued_tokens
+                queue += len(i.queue) + len(i.landed)
+                queue_tokens += i.queued_tokens + i.landed_tokens
                 running += i.batch.n + len(i.partial)
                 used += i.kv_used_tokens()
         serving = [i for i in insts if i.state in (State.ACTIVE, State.DRAINING)]
