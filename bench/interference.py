@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
 from splitserve_worker.commands.router import load_tokenizer
 from splitserve_worker.commands.up import WorkerProcs
 from splitserve_worker.router.config import RouterConfig
@@ -125,7 +124,7 @@ def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
 
 
 def run_setup(
@@ -170,9 +169,8 @@ def summarize(
     print(f"\n{name}: {len(ok)}/{len(outs)} ok, {len(errs)} errors, wall {wall:.1f} s")
     if errs:
         print(f"  first error: {errs[0].error}")
-    print(
-        f"  TTFT s   p50 {res['ttft_p50']:.3f}  p90 {res['ttft_p90']:.3f}  p99 {res['ttft_p99']:.3f}"
-    )
+    t50, t90, t99 = res["ttft_p50"], res["ttft_p90"], res["ttft_p99"]
+    print(f"  TTFT s   p50 {t50:.3f}  p90 {t90:.3f}  p99 {t99:.3f}")
     print(f"  TPOT ms  p50 {res['tpot_p50'] * 1e3:.1f}  p90 {res['tpot_p90'] * 1e3:.1f}  "
           f"p99 {res['tpot_p99'] * 1e3:.1f}")  # fmt: skip
     if short_tpot and long_ttft:

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
 
 from splitserve_worker.metrics.names import (
     E2E,
@@ -28,7 +29,7 @@ from splitserve_worker.router import errors
 from splitserve_worker.router.api_models import ChatCompletionRequest, CompletionRequest
 from splitserve_worker.router.dispatch import GenRequest, RequestFailed, TokenEvent
 from splitserve_worker.router.errors import APIError
-from splitserve_worker.router.queues import Saturated
+from splitserve_worker.router.queues import Admission, Saturated
 from splitserve_worker.router.scoring import DECODE_ROLES
 from splitserve_worker.router.service import RouterService
 from splitserve_worker.router.text import Detokenizer
@@ -54,6 +55,8 @@ class Job:
     logprobs: list[float] = field(default_factory=list)
     first_at: float | None = None
     finish_reason: str | None = None
+    admission: Admission | None = None
+    """A decode slot taken before a stream's 200 was sent."""
 
 
 def _auth(service: RouterService) -> Callable[[Request], Awaitable[None]]:
@@ -166,7 +169,9 @@ def create_app(service: RouterService) -> FastAPI:
         """(text delta, event) pairs; records metrics; always ends the worker side."""
         prompt_tokens.inc(len(job.prompt))
         outcome = "cancelled"
-        gen = service.dispatcher.generate(GenRequest(job.id, job.prompt, job.sampling))
+        gen = service.dispatcher.generate(
+            GenRequest(job.id, job.prompt, job.sampling), job.admission
+        )
         try:
             async for ev in gen:
                 now = time.monotonic()
@@ -305,17 +310,18 @@ def create_app(service: RouterService) -> FastAPI:
         request: Request, job: Job, body: CompletionRequest | ChatCompletionRequest
     ) -> Response:
         if body.stream:
-            # admission first, so a full queue answers 429 rather than an error inside a 200
-            stage = service.dispatcher.decode_stage
-            if stage.waiting >= stage.max_waiting:
-                raise errors.from_saturated(
-                    Saturated("decode", 429, stage.retry_after_s,
-                              f"the decode queue is full ({stage.max_waiting} requests waiting)")
-                )  # fmt: skip
+            # admission first (a decode slot, held for the stream), so a full queue answers
+            # 429 and a queue timeout 503 as HTTP statuses, never as an error inside a 200
+            try:
+                job.admission = await service.dispatcher.decode_stage.admit()
+            except Saturated as e:
+                raise failure(e) from None
             return StreamingResponse(
                 run_streaming(job, body.include_usage()),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                # frees the slot if the stream never started (client gone before it)
+                background=BackgroundTask(job.admission.release),
             )
         return JSONResponse(await run_to_end(request, job))
 

@@ -98,7 +98,12 @@ def _get(obj: Any, *path: str) -> Any:
     return obj
 
 
+_JSON_NAMES = {"pod_ip": "podIP"}
+
+
 def _camel(name: str) -> str:
+    if name in _JSON_NAMES:
+        return _JSON_NAMES[name]
     first, *rest = name.split("_")
     return first + "".join(r.title() for r in rest)
 

@@ -34,7 +34,7 @@ from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.router.config import RouterConfig
 from splitserve_worker.router.planner import NoWorker, Plan, RoutePlanner
 from splitserve_worker.router.pool import WorkerPool
-from splitserve_worker.router.queues import Stage
+from splitserve_worker.router.queues import Admission, Stage
 from splitserve_worker.router.scoring import DECODE_ROLES, PREFILL_ROLES
 from splitserve_worker.router.worker_client import Sampling, WorkerConn
 
@@ -142,10 +142,14 @@ class Dispatcher:
 
     # ---- one request ----
 
-    async def generate(self, req: GenRequest) -> AsyncGenerator[TokenEvent, None]:
-        """Tokens of ``req`` as they come; raises :class:`RequestFailed` when it cannot finish."""
+    async def generate(
+        self, req: GenRequest, admission: Admission | None = None
+    ) -> AsyncGenerator[TokenEvent, None]:
+        """Tokens of ``req`` as they come; raises :class:`RequestFailed` when it cannot finish.
+        ``admission``: a decode slot already taken for it (else it waits for one here)."""
         cfg = self.config
-        await self.decode_stage.acquire()
+        if admission is None:
+            admission = await self.decode_stage.admit()
         try:
             produced: list[int] = []
             failed: set[str] = set()
@@ -186,7 +190,7 @@ class Dispatcher:
                         ) from None
                     self._retries.labels(reason=reason).inc()
         finally:
-            self.decode_stage.release()
+            admission.release()
 
     async def _plan(self, prompt: tuple[int, ...], failed: frozenset[str]) -> Plan:
         deadline = time.monotonic() + self.config.queues.max_wait_s

@@ -126,6 +126,11 @@ class Stage:
             self._active -= 1
         self._wake()
 
+    async def admit(self) -> Admission:
+        """:meth:`acquire`, as an :class:`Admission` another part of the router can release."""
+        await self.acquire()
+        return Admission(self)
+
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
         await self.acquire()
@@ -133,3 +138,17 @@ class Stage:
             yield
         finally:
             self.release()
+
+
+class Admission:
+    """A slot taken from a :class:`Stage` ahead of its use; released once, whoever
+    releases it first (the request that used it, or a cleanup if it never ran)."""
+
+    def __init__(self, stage: Stage) -> None:
+        self._stage = stage
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._stage.release()
