@@ -170,3 +170,16 @@ def test_registry_refuses_duplicates_and_unknown_names() -> None:
     with pytest.raises(ValueError, match="needs the pool"):
         transport.create_receiver_backend("grpc", transport.BackendContext(compat=BASE))
     assert transport.unavailable_reason("grpc") is None
+
+
+def test_arrivals_can_renew_a_lease() -> None:
+    clock = Clock()
+    table = LeaseTable(clock)
+    lease = table.add("r1", [1], num_tokens=10, num_layers=2, ttl=5, backend="grpc")
+    clock.now += 4
+    table.record(lease, 0, 0, 5, 10, renew=True)
+    assert lease.expires_at == clock.now + 5
+    clock.now += 4
+    assert table.get("r1") is lease  # alive: it would have expired without the renewal
+    table.record(lease, 1, 0, 5, 10)
+    assert lease.expires_at == clock.now + 1  # a plain record does not renew

@@ -283,7 +283,7 @@ class GrpcReceiver:
                 flat = torch.frombuffer(msg.data, dtype=self._pool.dtype)
             kv = flat.view(2, n, self._pool.kv_heads, self._pool.head_dim)
             self._pool.write(msg.layer, lease.block_ids, msg.start_token, kv[0], kv[1])
-        self._leases.record(lease, msg.layer, msg.start_token, n, len(msg.data))
+        self._leases.record(lease, msg.layer, msg.start_token, n, len(msg.data), renew=True)
         if lease.complete:
             with self._cond:
                 self._cond.notify_all()

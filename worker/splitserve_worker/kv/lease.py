@@ -36,6 +36,7 @@ class Lease:
     num_layers: int
     expires_at: float
     backend: str
+    ttl: float = 0.0
     state: State = State.RESERVED
     layer_tokens: list[int] = field(default_factory=list)
     bytes_received: int = 0
@@ -87,6 +88,7 @@ class LeaseTable:
             num_layers=num_layers,
             expires_at=self._clock() + ttl,
             backend=backend,
+            ttl=ttl,
         )
         with self._lock:
             if request_id in self._by_request:
@@ -115,8 +117,13 @@ class LeaseTable:
             raise LeaseError(f"the lease of request {request_id!r} expired: Reserve again")
         return lease
 
-    def record(self, lease: Lease, layer: int, start: int, count: int, nbytes: int) -> None:
-        """Tokens ``[start, start + count)`` of ``layer`` arrived (in order per layer)."""
+    def record(
+        self, lease: Lease, layer: int, start: int, count: int, nbytes: int, *, renew: bool = False
+    ) -> None:
+        """Tokens ``[start, start + count)`` of ``layer`` arrived (in order per layer).
+
+        ``renew``: the lease runs for its full TTL again from now (a push that keeps
+        arriving is alive; only one that stops for a TTL is given up)."""
         if not 0 <= layer < lease.num_layers:
             raise LeaseError(f"layer {layer} out of range 0..{lease.num_layers - 1}")
         if start < 0 or start + count > lease.num_tokens:
@@ -127,6 +134,8 @@ class LeaseTable:
         with self._lock:
             lease.layer_tokens[layer] = max(lease.layer_tokens[layer], start + count)
             lease.bytes_received += nbytes
+            if renew:
+                lease.expires_at = max(lease.expires_at, self._clock() + lease.ttl)
 
     def mark_all_layers(self, lease: Lease) -> None:
         with self._lock:
