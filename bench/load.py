@@ -84,6 +84,7 @@ async def one_request(
 ) -> None:  # fmt: skip
     first_try = time.monotonic()
     throttled = False
+    stage = "before the response"
     while True:
         try:
             async with asyncio.timeout(args.request_timeout_s):
@@ -105,6 +106,7 @@ async def one_request(
                         await r.aread()
                         return
                     finished = done = False
+                    stage = "mid-stream"
                     async for line in r.aiter_lines():
                         if not line.startswith("data: "):
                             continue
@@ -132,7 +134,7 @@ async def one_request(
             return
         except httpx.HTTPError as e:
             tally.dropped += 1
-            tally.why[type(e).__name__] += 1
+            tally.why[f"{type(e).__name__} {stage}: {e}"] += 1
             return
 
 
