@@ -14,7 +14,7 @@ from splitserve_operator import merge
 from splitserve_operator.cache import ServiceCache
 from splitserve_operator.k8s import INFERENCE_SERVICE, ApiError, KubeClient
 from splitserve_operator.reconcile import Key, Outcome, Reconciler, Serializer, key_of
-from splitserve_operator.render import RenderInputs, ServiceRef, plan_replicas, render
+from splitserve_operator.render import RenderInputs, ServiceRef, plan_replicas, render_deployment
 from splitserve_operator.render.names import LABEL_COMPONENT, LABEL_INSTANCE
 from splitserve_operator.spec import SCALED_POOLS, Pool, SpecError, parse_spec
 from splitserve_operator.status import PoolObservation
@@ -182,11 +182,8 @@ class Controller:
         inputs = RenderInputs(
             replicas=replicas, token="-", router_cluster_role=self.reconciler.router_cluster_role
         )
-        name = ref.deployment(pool)
-        for desired in render(ref, spec, inputs):
-            if desired.kind == "Deployment" and desired.name == name:
-                return bool(merge.apply_patch(desired.manifest, deployment))
-        return False
+        desired = render_deployment(ref, spec, inputs, pool)
+        return bool(merge.apply_patch(desired, deployment))
 
     # -- periodic resync -------------------------------------------------------------
 

@@ -192,3 +192,27 @@ def test_the_charts_rbac_covers_every_call_the_operator_makes(
     assert chart.allows(
         operator_rules, "rbac.authorization.k8s.io", "clusterroles", "bind", "splitserve-router"
     )
+
+
+def test_the_worker_token_is_never_logged_or_copied(
+    kube, kube_client, start_operator, inference_service, wait_for, caplog
+) -> None:
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    start_operator()
+    kube_client.create(inference_service())
+    wait_for(lambda: len(kube.objects("apps/v1/deployments", "default")) == 3)
+    (secret,) = kube.objects("v1/secrets", "default")
+    token = secret["stringData"]["token"]
+    assert len(token) >= 32
+    assert token not in caplog.text
+    assert "splitserve.io/last-applied" not in (secret["metadata"].get("annotations") or {})
+    for resource in (
+        "apps/v1/deployments",
+        "v1/configmaps",
+        "v1/events",
+        "splitserve.io/v1alpha1/inferenceservices",
+    ):
+        for obj in kube.objects(resource, "default"):
+            assert token not in str(obj), resource

@@ -598,3 +598,13 @@ def test_a_config_change_rolls_the_pods_and_a_replica_change_does_not() -> None:
 
 def test_render_is_deterministic() -> None:
     assert objects(FULL) == objects(FULL)
+
+
+def test_render_deployment_is_the_same_deployment_render_makes() -> None:
+    from splitserve_operator.render import render_deployment
+
+    spec = parse_spec(FULL, name="demo")
+    inputs = RenderInputs(replicas={Pool.PREFILL: 2, Pool.DECODE: 3, Pool.ROUTER: 1}, token="t")
+    everything = {d.name: d.manifest for d in render(REF, spec, inputs) if d.kind == "Deployment"}
+    for pool in Pool:
+        assert render_deployment(REF, spec, inputs, pool) == everything[f"demo-{pool.value}"]

@@ -70,3 +70,13 @@ def render(ref: ServiceRef, spec: InferenceServiceSpec, inputs: RenderInputs) ->
         for pool in Pool
     ]
     return objects
+
+
+def render_deployment(
+    ref: ServiceRef, spec: InferenceServiceSpec, inputs: RenderInputs, pool: Pool
+) -> dict[str, Any]:
+    """Only ``pool``'s Deployment, as :func:`render` makes it (for cheap drift checks)."""
+    config_hash = support.config_hash(support.config_map(ref, spec))
+    return workloads.deployment(
+        ref, spec, pool, replicas=inputs.replicas[pool], config_hash=config_hash
+    )
