@@ -61,7 +61,7 @@ async def test_pods_are_listed_then_watched(kube: Any) -> None:
 
     api = client.CoreV1Api(client.ApiClient(kube.configuration()))
     await asyncio.to_thread(add_pod, api, "p-0", "prefill", "10.0.0.1", True)
-    disc = KubernetesDiscovery(api, "llm", "app=x", watch_timeout_s=5, retry_s=0.2)
+    disc = KubernetesDiscovery(api, "llm", "app=x", watch_timeout_s=1, retry_s=0.2)
     it = disc.watch().__aiter__()
     p0 = WorkerEndpoint("llm/p-0", Role.PREFILL, "10.0.0.1:50051")
     d0 = WorkerEndpoint("llm/d-0", Role.DECODE, "10.0.0.2:50051")

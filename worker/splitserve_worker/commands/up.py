@@ -179,8 +179,8 @@ def _quiet_uvicorn_signals(server: Any) -> Iterator[None]:
     yield
 
 
-async def serve_router(app: Any, host: str, port: int) -> tuple[Any, asyncio.Task[None]]:
-    """Starts uvicorn in this loop; returns (server, task) once it listens."""
+async def serve_router(app: Any, host: str, port: int) -> tuple[Any, asyncio.Task[None], int]:
+    """Starts uvicorn in this loop; returns (server, task, port) once it listens."""
     import uvicorn
 
     config = uvicorn.Config(
@@ -198,7 +198,7 @@ async def serve_router(app: Any, host: str, port: int) -> tuple[Any, asyncio.Tas
         if task.done() and task.exception():
             raise StackError(f"the router did not start: {task.exception()}")
         raise StackError("the router did not start within 30 s")
-    return server, task
+    return server, task, server.servers[0].sockets[0].getsockname()[1]
 
 
 async def demo(
@@ -259,7 +259,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--colocated", type=int, default=0, help="'both' workers (prefill and decode)")
     p.add_argument("--kv-backend", choices=("grpc", "nixl"), default="grpc")
-    p.add_argument("--port", type=int, default=8000, help="router HTTP port on 127.0.0.1")
+    p.add_argument(
+        "--port", type=int, default=8000, help="router HTTP port on 127.0.0.1 (0: any free port)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--api-key", default=None, help="require this API key on the router")
     p.add_argument("--worker-arg", action="append", default=[],
@@ -299,8 +301,8 @@ async def _main(args: argparse.Namespace) -> int:
             api_key=args.api_key,
         )  # fmt: skip
         service = RouterService(cfg, tokenizer, StaticDiscovery(endpoints))
-        server, task = await serve_router(create_app(service), "127.0.0.1", args.port)
-        base = f"http://127.0.0.1:{args.port}"
+        server, task, port = await serve_router(create_app(service), "127.0.0.1", args.port)
+        base = f"http://127.0.0.1:{port}"
         try:
             if not await service.wait_ready(60):
                 raise StackError("no decode worker answered Health within 60 s")

@@ -194,6 +194,8 @@ class KubernetesDiscovery:
                 kwargs: dict[str, Any] = {
                     "label_selector": self.selector,
                     "timeout_seconds": self.watch_timeout_s,
+                    # the client gives up too, so a stop is noticed even on a quiet watch
+                    "_request_timeout": self.watch_timeout_s + 1,
                 }
                 if version:
                     kwargs["resource_version"] = version
@@ -208,7 +210,9 @@ class KubernetesDiscovery:
                     else:
                         pods[name] = obj
                     publish()
-            except Exception as e:  # the API server went away: say so, list again
+            except Exception as e:  # the API server went away or the watch timed out: list again
+                if "timed out" in str(e).lower():
+                    continue
                 log.warning("worker discovery: %s; listing again in %.0f s", e, self.retry_s)
                 self._stop.wait(self.retry_s)
 

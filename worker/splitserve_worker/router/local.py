@@ -58,6 +58,7 @@ class RouterThread(AbstractContextManager[str]):
                 self.port = sock.getsockname()[1]
             self._started.set()
             await task
+            await asyncio.sleep(0.2)  # let closed gRPC channels deliver their last callbacks
 
         try:
             loop.run_until_complete(main())
