@@ -55,12 +55,7 @@ def base_url(tiny_model_path: Path) -> Iterator[str]:
             ep = WorkerEndpoint(name=f"both@{w.address}", role=Role.BOTH, address=w.address)
             service = RouterService(rcfg, load_tokenizer(str(tiny_model_path)),
                                     StaticDiscovery([ep]))  # fmt: skip
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            server, task = await serve_router(create_app(service), "127.0.0.1", port)
+            server, task, port = await serve_router(create_app(service), "127.0.0.1", 0)
             assert await service.wait_ready(30)
             holder["url"] = f"http://127.0.0.1:{port}"
         except BaseException as e:
