@@ -24,7 +24,7 @@ from splitserve_worker.server.client import WorkerClient
 from splitserve_worker.server.config import WorkerConfig
 from splitserve_worker.server.wire import auth_metadata
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 TOKEN = "fuzz-grpc-token"
 MD = auth_metadata(TOKEN)

@@ -22,7 +22,7 @@ from splitserve_worker.server.app import start_worker
 from splitserve_worker.server.config import WorkerConfig
 from splitserve_worker.server.wire import auth_metadata
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 TOKEN = "auth-test-token-5d1c"
 METHODS = pb.DESCRIPTOR.services_by_name["Worker"].methods
