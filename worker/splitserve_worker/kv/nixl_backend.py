@@ -1,6 +1,6 @@
 """The ``nixl`` KV backend: NVIDIA NIXL writes each layer straight into the reserved blocks.
 
-Decode side (:class:`NixlReceiver`): one NIXL agent registers the whole KV pool once
+Decode side (:class:`~.nixl_receiver.NixlReceiver`): one NIXL agent registers the whole KV pool once
 (``DRAM`` on the CPU, ``VRAM`` on CUDA, so GPU-to-GPU moves never stage through the host).
 Its metadata and the pool's address and shape travel in the Reserve handle's
 ``backend_metadata``. The progress thread is off (it busy-waits and would steal a core),
@@ -34,129 +34,25 @@ from typing import Any
 import torch
 
 from splitserve_worker.kv.faults import FaultInjector, InjectedFault
-from splitserve_worker.kv.layout import PoolView, as_bytes, block_spans, owned
-from splitserve_worker.kv.lease import Lease, LeaseError, LeaseTable
+from splitserve_worker.kv.layout import as_bytes, block_spans, owned
+from splitserve_worker.kv.nixl_common import POLL_BUSY_S, device_id, make_agent, mem_type
+from splitserve_worker.kv.nixl_common import notif as make_notif
+from splitserve_worker.kv.nixl_common import unavailable_reason as unavailable_reason
+from splitserve_worker.kv.nixl_receiver import NixlReceiver
 from splitserve_worker.kv.transport import (
     BackendContext,
-    BackendUnavailable,
     SendStats,
     TransferError,
     TransferTarget,
 )
 
 RING_SLOTS = 4
-"""Layers staged at once per request: enough to keep the wire busy while the engine computes."""
+"""Layers in flight at once per request: enough to keep the wire busy while the engine
+computes."""
 
 SLOT_WAIT_S = 10.0
 """Longest the engine thread waits for an in-flight layer to finish before declaring the
 push dead (a layer takes milliseconds; only a stuck peer takes this long)."""
-
-POLL_IDLE_S = 0.002
-POLL_BUSY_S = 0.0002
-
-
-def unavailable_reason() -> str | None:
-    try:
-        import nixl._api  # noqa: F401
-    except Exception as e:  # any import failure (missing wheel, missing libs) means "absent"
-        return f"NIXL is not importable here ({type(e).__name__}: {e}); pip install nixl-cu12"
-    return None
-
-
-def _agent(name: str) -> Any:
-    reason = unavailable_reason()
-    if reason is not None:
-        raise BackendUnavailable(reason)
-    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-
-    config = nixl_agent_config(
-        enable_prog_thread=False,
-        backends=["UCX"],
-        sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-    )
-    return nixl_agent(name, config)
-
-
-def _mem_type(t: torch.Tensor) -> str:
-    return "VRAM" if t.is_cuda else "DRAM"
-
-
-def _dev(t: torch.Tensor) -> int:
-    return t.get_device() if t.is_cuda else 0
-
-
-def _notif(request_id: str, lease_id: str, layer: int, end: int) -> bytes:
-    return f"{request_id}\x00{lease_id}\x00{layer}\x00{end}".encode()
-
-
-# ---------------------------------------------------------------- decode side
-
-
-class NixlReceiver:
-    name = "nixl"
-
-    def __init__(self, ctx: BackendContext) -> None:
-        assert ctx.pool is not None and ctx.leases is not None
-        self._pool: PoolView = ctx.pool
-        self._leases: LeaseTable = ctx.leases
-        self._name = f"{ctx.name_hint}-d{os.getpid()}-{secrets.token_hex(4)}"
-        self._agent = _agent(self._name)
-        pool = self._pool.pool
-        self._reg = self._agent.register_memory(pool)
-        header = {
-            "agent": self._name,
-            "base": int(pool.data_ptr()),
-            "dev": _dev(pool),
-            "mem": _mem_type(pool),
-            "shape": list(pool.shape),
-            "elem": pool.element_size(),
-        }
-        self._metadata = json.dumps(header).encode() + b"\n" + self._agent.get_agent_metadata()
-        self._cond = threading.Condition()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, name="nixl-notifs", daemon=True)
-        self._thread.start()
-
-    def backend_metadata(self) -> bytes:
-        return self._metadata
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            got = self._agent.get_new_notifs()
-            for msgs in got.values():
-                for m in msgs:
-                    self._arrived(m)
-            if got:
-                with self._cond:
-                    self._cond.notify_all()
-            time.sleep(POLL_BUSY_S if len(self._leases) else POLL_IDLE_S)
-
-    def _arrived(self, msg: bytes) -> None:
-        try:
-            rid, lid, layer, end = msg.decode().split("\x00")
-            lease = self._leases.get(rid, lid)
-            n = int(end)
-            self._leases.record(lease, int(layer), 0, n, 2 * n * self._pool.token_bytes)
-        except (ValueError, LeaseError):
-            return  # a stale or foreign notification: its lease is already gone
-
-    def wait_layers(self, lease: Lease, timeout: float) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: lease.complete, timeout=timeout)
-
-    def forget(self, lease: Lease) -> None:
-        return None
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-        try:
-            self._agent.deregister_memory(self._reg)
-        except Exception:  # the process is going away; NIXL frees it on exit anyway
-            return
-
-
-# ---------------------------------------------------------------- prefill side
 
 
 @dataclass
@@ -218,7 +114,7 @@ class NixlSenderBackend:
     def __init__(self, ctx: BackendContext) -> None:
         self._ctx = ctx
         self._name = f"{ctx.name_hint}-p{os.getpid()}-{secrets.token_hex(4)}"
-        self._agent = _agent(self._name)
+        self._agent = make_agent(self._name)
         self._ring = _Ring(self._agent)
         self._remotes: dict[str, _Remote] = {}
         self._jobs: queue.Queue[_Job] = queue.Queue()
@@ -376,7 +272,7 @@ class NixlSender:
             if corrupt:
                 stage[0] ^= 0xFF
             addrs = (int(stage.data_ptr()), int(stage.data_ptr()) + n * tb)
-            mem, dev = _mem_type(self._buf), _dev(self._buf)
+            mem, dev = mem_type(self._buf), device_id(self._buf)
         else:
             # host memory: register the engine's fresh K/V tensors and write from them
             kt, vt = owned(k), owned(v)
@@ -394,7 +290,7 @@ class NixlSender:
                 remote.append((dst, nbytes, self.remote.dev))
         with self._lock:
             self._pending += 1
-        notif = _notif(self._t.request_id, self._t.lease_id, layer, start_token + n)
+        notif = make_notif(self._t.request_id, self._t.lease_id, layer, start_token + n)
         self._b.submit(_Job(self, layer, slot, mem, local, remote, notif, keep=keep))
         self.stats.bytes_sent += 2 * n * tb
         self.stats.layers_sent = max(self.stats.layers_sent, layer + 1)
