@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -167,11 +167,15 @@ class Dispatcher:
                 rid = f"{req.request_id}.{attempt}"
                 attempt += 1
                 try:
-                    async for ev in self._attempt(rid, plan, prompt, sampling):
-                        produced.extend(ev.token_ids)
-                        yield ev
-                        if ev.finish_reason is not None:
-                            return
+                    # aclosing: a consumer that leaves ends the attempt (and its cleanup) now
+                    async with contextlib.aclosing(
+                        self._attempt(rid, plan, prompt, sampling)
+                    ) as events:
+                        async for ev in events:
+                            produced.extend(ev.token_ids)
+                            yield ev
+                            if ev.finish_reason is not None:
+                                return
                     raise _AttemptFailed(
                         plan.decode.worker.name, "decode_lost", "stream ended early", lost=True
                     )
@@ -208,7 +212,7 @@ class Dispatcher:
 
     async def _attempt(
         self, rid: str, plan: Plan, prompt: tuple[int, ...], sampling: Sampling
-    ) -> AsyncIterator[TokenEvent]:
+    ) -> AsyncGenerator[TokenEvent, None]:
         t = self.config.timeouts
         d_name = plan.decode.worker.name
         dconn = self.pool.conn(d_name)

@@ -1,0 +1,203 @@
+"""The dispatcher's retry, migration and cleanup logic, against in-memory workers.
+
+The in-memory workers follow the WorkerConn protocol; their "model" is a pure
+function of the sequence so far, so a migrated request must continue exactly.
+Real worker processes are exercised in tests/integration/test_router_faults.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+import pytest
+from splitserve.v1 import worker_pb2 as pb
+from splitserve_worker.metrics.registry import Metrics
+from splitserve_worker.router.config import CostModelConfig, RouterConfig, TimeoutConfig
+from splitserve_worker.router.discovery import WorkerEndpoint
+from splitserve_worker.router.dispatch import Dispatcher, GenRequest, RequestFailed
+from splitserve_worker.router.planner import RoutePlanner
+from splitserve_worker.router.pool import WorkerPool
+from splitserve_worker.router.scoring import Role
+from splitserve_worker.router.worker_client import Sampling
+
+pytestmark = pytest.mark.unit
+
+ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE, "both": pb.ROLE_BOTH}
+
+
+def next_token(seq: Sequence[int]) -> int:
+    return (sum(seq) * 31 + len(seq)) % 97
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class MemWorker:
+    """A worker in memory: fails on request, records what it was asked."""
+
+    def __init__(self, name: str, role: str) -> None:
+        self.address = name
+        self.role = role
+        self.fail_prefill: grpc.StatusCode | None = None
+        self.fail_generate_after: int | None = None  # tokens before the stream breaks
+        self.fail_code = grpc.StatusCode.UNAVAILABLE
+        self.cancelled: list[str] = []
+        self.generated: list[tuple[str, tuple[int, ...], int]] = []
+        self.prefilled: list[str] = []
+
+    async def health(self, timeout: float) -> pb.HealthResponse:
+        return pb.HealthResponse(
+            role=ROLES[self.role],
+            free_blocks=100,
+            total_blocks=100,
+            compat=pb.CompatInfo(hash="h", num_layers=2, kv_heads=1, head_dim=4, dtype="float32"),
+        )
+
+    async def events(self) -> AsyncIterator[pb.KVEvent]:
+        await asyncio.Event().wait()
+        yield pb.KVEvent()
+
+    async def reserve(
+        self, request_id: str, n: int, compat: Any, lease_s: float, kv_backend: str, timeout: float
+    ) -> pb.TransferHandle:
+        return pb.TransferHandle(request_id=request_id, decode_address=self.address)
+
+    async def release(self, request_id: str, reason: str, timeout: float) -> int:
+        return 0
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        sampling: Sampling,
+        handle: Any,
+        timeout: float,
+    ) -> pb.PrefillResponse:
+        self.prefilled.append(request_id)
+        if self.fail_prefill is not None:
+            raise rpc_error(self.fail_prefill, "prefill broke")
+        return pb.PrefillResponse(request_id=request_id, first_token=next_token(prompt))
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        sampling: Sampling,
+        expect_remote_kv: bool,
+        timeout: float,
+    ) -> AsyncIterator[pb.TokenChunk]:
+        self.generated.append((request_id, tuple(prompt), sampling.max_tokens))
+        seq = list(prompt)
+        for i in range(sampling.max_tokens):
+            if self.fail_generate_after is not None and i >= self.fail_generate_after:
+                raise rpc_error(self.fail_code, "stream broke")
+            seq.append(next_token(seq))
+            last = i == sampling.max_tokens - 1
+            yield pb.TokenChunk(
+                request_id=request_id, token_ids=[seq[-1]], finish_reason="length" if last else ""
+            )
+            await asyncio.sleep(0)
+
+    async def cancel(self, request_id: str, timeout: float) -> bool:
+        self.cancelled.append(request_id)
+        return True
+
+    async def close(self) -> None:
+        return None
+
+
+async def make(workers: list[MemWorker], **cfg: Any) -> Dispatcher:
+    config = RouterConfig(timeouts=TimeoutConfig(health_interval_s=60.0), **cfg)
+    planner = RoutePlanner(config)
+    by_name = {w.address: w for w in workers}
+    pool = WorkerPool(lambda ep: by_name[ep.name], planner.index, health_interval_s=60.0)
+    d = Dispatcher(config, pool, planner, lambda toks: [], Metrics())
+    pool._on_change = d.update_capacity
+    pool.set_endpoints([WorkerEndpoint(w.address, Role(w.role), w.address) for w in workers])
+    for _ in range(100):
+        if all(v.healthy for v in pool.snapshot()):
+            break
+        await asyncio.sleep(0.01)
+    return d
+
+
+async def run(d: Dispatcher, prompt: list[int], n: int) -> list[int]:
+    out: list[int] = []
+    async for ev in d.generate(GenRequest("r", tuple(prompt), Sampling(max_tokens=n))):
+        out += ev.token_ids
+    await d.drain()
+    return out
+
+
+def expected(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt) :]
+
+
+REMOTE = CostModelConfig(short_prompt_tokens=0, decode_prefill_tokens_per_s=1e-3)
+
+
+async def test_prefill_failure_retries_on_another_prefill_worker_and_frees_reservation() -> None:
+    p1, p2, d1 = MemWorker("p1", "prefill"), MemWorker("p2", "prefill"), MemWorker("d1", "decode")
+    p1.fail_prefill = grpc.StatusCode.UNAVAILABLE
+    disp = await make([p1, p2, d1], cost=REMOTE)
+    assert await run(disp, [1, 2, 3], 5) == expected([1, 2, 3], 5)
+    assert p1.prefilled == ["r.0"] and p2.prefilled == ["r.1"]
+    assert "r.0" in d1.cancelled and "r.0" in p1.cancelled  # the failed attempt is ended everywhere
+    assert not disp.pool.snapshot()[0].healthy  # p1 (sorted first) is marked down
+
+
+async def test_decode_lost_before_first_token_retries_elsewhere() -> None:
+    b1, b2 = MemWorker("b1", "both"), MemWorker("b2", "both")
+    b1.fail_generate_after = 0
+    disp = await make([b1, b2])
+    assert await run(disp, [5, 6], 4) == expected([5, 6], 4)
+    assert [g[0] for g in b1.generated] == ["r.0"] and [g[0] for g in b2.generated] == ["r.1"]
+
+
+async def test_lost_mid_stream_migrates_prompt_plus_tokens_so_far() -> None:
+    b1, b2 = MemWorker("b1", "both"), MemWorker("b2", "both")
+    b1.fail_generate_after = 3
+    disp = await make([b1, b2])
+    assert await run(disp, [7, 8, 9], 10) == expected([7, 8, 9], 10)
+    _, prompt, max_tokens = b2.generated[0]
+    assert prompt == (7, 8, 9, *expected([7, 8, 9], 3)) and max_tokens == 7
+
+
+async def test_retries_run_out_with_a_clear_error() -> None:
+    ws = [MemWorker(f"b{i}", "both") for i in range(4)]
+    for w in ws:
+        w.fail_generate_after = 0
+    disp = await make(ws, max_retries=2)
+    with pytest.raises(RequestFailed) as info:
+        await run(disp, [1], 3)
+    assert info.value.status == 502 and "failed on 3 workers" in info.value.message
+    assert sum(len(w.generated) for w in ws) == 3
+
+
+async def test_bad_request_on_the_worker_is_not_retried() -> None:
+    b1, b2 = MemWorker("b1", "both"), MemWorker("b2", "both")
+    b1.fail_generate_after = 0
+    b1.fail_code = grpc.StatusCode.INVALID_ARGUMENT
+    disp = await make([b1, b2])
+    with pytest.raises(RequestFailed) as info:
+        await run(disp, [1], 3)
+    assert info.value.status == 400 and not b2.generated
+
+
+async def test_consumer_leaving_early_cancels_on_every_worker() -> None:
+    p1, d1 = MemWorker("p1", "prefill"), MemWorker("d1", "decode")
+    disp = await make([p1, d1], cost=REMOTE)
+    gen = disp.generate(GenRequest("r", (1, 2, 3), Sampling(max_tokens=50)))
+    async for _ in gen:
+        break
+    await gen.aclose()
+    await disp.drain()
+    assert d1.cancelled == ["r.0"] and p1.cancelled == ["r.0"]
+    assert disp.decode_stage.active == 0 and disp.prefill_stage.active == 0
