@@ -115,7 +115,12 @@ def test_disaggregated_tokens_match_colocated_in_process(
                 assert got == ref, n
                 assert resp.first_token == ref[0]
                 assert resp.bytes_sent == 4 * 2 * n * 2 * 16 * 4
-            for c in (p, d):
+            # a colocated worker also takes remote KV
+            prompt = prompt_of(300, 1)
+            ref, _ = await collect(b.generate("b-ref", prompt, SP))
+            got, _ = await disaggregated(p, b, "into-both", prompt, backend)
+            assert got == ref
+            for c in (p, d, b):
                 h = await wait_all_free(c)
                 assert h.free_blocks == h.total_blocks and h.leases == 0
 
