@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,7 +166,7 @@ def create_app(service: RouterService) -> FastAPI:
             stream=body.stream,
         )
 
-    async def events(job: Job) -> AsyncIterator[tuple[str, TokenEvent]]:
+    async def events(job: Job) -> AsyncGenerator[tuple[str, TokenEvent], None]:
         """(text delta, event) pairs; records metrics; always ends the worker side."""
         prompt_tokens.inc(len(job.prompt))
         outcome = "cancelled"
@@ -261,10 +262,13 @@ def create_app(service: RouterService) -> FastAPI:
             return errors.from_saturated(e)
         return APIError(e.status, e.message, code="worker_error" if e.status >= 500 else None)
 
-    async def run_to_end(request: Request, job: Job) -> dict[str, Any]:
+    async def run_to_end(request: Request, job: Job) -> dict[str, Any] | None:
+        """The whole answer, or None when the client went away first (the request is ended)."""
+
         async def collect() -> None:
-            async for _ in events(job):
-                pass
+            async with contextlib.aclosing(events(job)) as evs:
+                async for _ in evs:
+                    pass
 
         task = asyncio.create_task(collect())
         try:
@@ -272,7 +276,9 @@ def create_app(service: RouterService) -> FastAPI:
                 done, _ = await asyncio.wait({task}, timeout=0.25)
                 if not done and await request.is_disconnected():
                     task.cancel()
-                    break
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    return None
             await task
         except (Saturated, RequestFailed) as e:
             raise failure(e) from None
@@ -292,12 +298,13 @@ def create_app(service: RouterService) -> FastAPI:
                 first = envelope(job, [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}])  # fmt: skip
                 yield sse(first)
-            async for text, ev in events(job):
-                final = job.finish_reason is not None
-                if not text and not final and not job.return_token_ids:
-                    continue
-                ids, lps = list(ev.token_ids), list(ev.logprobs)
-                yield sse(envelope(job, [choice(job, text, ids, lps, final)]))
+            async with contextlib.aclosing(events(job)) as evs:
+                async for text, ev in evs:
+                    final = job.finish_reason is not None
+                    if not text and not final and not job.return_token_ids:
+                        continue
+                    ids, lps = list(ev.token_ids), list(ev.logprobs)
+                    yield sse(envelope(job, [choice(job, text, ids, lps, final)]))
             if include_usage:
                 body = envelope(job, [])
                 body["usage"] = usage(job)
@@ -323,7 +330,10 @@ def create_app(service: RouterService) -> FastAPI:
                 # frees the slot if the stream never started (client gone before it)
                 background=BackgroundTask(job.admission.release),
             )
-        return JSONResponse(await run_to_end(request, job))
+        answer = await run_to_end(request, job)
+        if answer is None:
+            return Response(status_code=499)  # client closed the request; nobody reads this
+        return JSONResponse(answer)
 
     # ---- routes ----
 
