@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--api-key-file", default=None, help=f"file holding the API key (or ${API_KEY_ENV})"
     )
     p.add_argument(
+        "--api-key", default=None, help="API key clients must send (prefer --api-key-file)"
+    )
+    p.add_argument(
         "--config", default=None, help="router settings, YAML or JSON (see RouterConfig)"
     )
     p.add_argument("--kv-backend", choices=("grpc", "nixl"), default=None)
@@ -117,7 +120,7 @@ def build_app(args: argparse.Namespace, **overrides: Any) -> Any:
     from splitserve_worker.server.auth import TOKEN_ENV, load_token
 
     token = load_token(args.token_file) if (args.token_file or os.environ.get(TOKEN_ENV)) else None
-    api_key = read_secret(args.api_key_file, API_KEY_ENV)
+    api_key = args.api_key or read_secret(args.api_key_file, API_KEY_ENV)
     cfg = load_config(args, worker_token=token, api_key=api_key, **overrides)
     service = RouterService(cfg, load_tokenizer(args.model), make_discovery(args))
     return create_app(service)
@@ -131,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         app = build_app(args)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"router: OpenAI API on http://{args.host}:{args.port}/v1", flush=True)
