@@ -22,12 +22,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import secrets
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -136,9 +137,21 @@ def run_setup(
         eps = procs.start(timeout_s=600)
         cfg = RouterConfig(model_name=args.model, worker_token=token)
         with RouterThread(RouterService(cfg, tokenizer, StaticDiscovery(eps))) as base:
-            # warm up both paths once (first calls allocate and compile nothing, but page in)
-            asyncio.run(drive(base, [Arrival(0.0, trace[0].prompt, 4, False)]))
+            # alone on an idle stack: one short and one long request (also warms up)
+            short = next(a for a in trace if not a.long)
+            long = next((a for a in trace if a.long), short)
+            alone_s = asyncio.run(drive(base, [replace(short, at=0.0)]))[0][0]
+            alone_l = asyncio.run(drive(base, [replace(long, at=0.0)]))[0][0]
+            print(
+                f"  alone: short TPOT {(alone_s.tpot or 0) * 1e3:.1f} ms, "
+                f"long TTFT {alone_l.ttft or 0:.3f} s"
+            )
+            load0 = os.getloadavg()[0]
             outs, wall = asyncio.run(drive(base, trace))
+            print(
+                f"  machine load average (1 min) {load0:.1f} before, "
+                f"{os.getloadavg()[0]:.1f} after, on {os.cpu_count()} CPUs"
+            )
             text = httpx.get(f"{base}/metrics").text
     decisions = [ln for ln in text.splitlines() if ln.startswith("splitserve_disagg")]
     print("  " + "; ".join(decisions))
@@ -210,15 +223,15 @@ def plot(results: dict[str, list[Outcome]], path: Path, args: argparse.Namespace
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals per setup")
-    ap.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
-    ap.add_argument("--long-fraction", type=float, default=0.25)
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per setup")
+    ap.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals per second")
+    ap.add_argument("--long-fraction", type=float, default=0.2)
     ap.add_argument("--short-tokens", type=int, default=32)
-    ap.add_argument("--long-tokens", type=int, default=1024)
+    ap.add_argument("--long-tokens", type=int, default=512)
     ap.add_argument("--short-output", type=int, default=48)
     ap.add_argument("--long-output", type=int, default=8)
-    ap.add_argument("--slo-ttft", type=float, default=3.0, help="seconds")
-    ap.add_argument("--slo-tpot", type=float, default=0.15, help="seconds")
+    ap.add_argument("--slo-ttft", type=float, default=4.0, help="seconds")
+    ap.add_argument("--slo-tpot", type=float, default=0.2, help="seconds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", default="bench/out/interference_cdf.png")
     args = ap.parse_args()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -171,3 +172,30 @@ def test_chat_and_text_prompt_through_disaggregated_stack(
         )
         chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_prefix_index_follows_the_workers_block_events(
+    workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any
+) -> None:
+    from splitserve_worker.engine.prefix_cache import block_hashes
+
+    token, eps = workers
+    pd = [e for e in eps if e.role is not Role.BOTH]
+    prefill = next(e for e in eps if e.role is Role.PREFILL)
+    prompt = [(i * 13) % 200 + 7 for i in range(70)]  # 4 full blocks of 16
+    hashes = block_hashes(prompt, 16)
+    rt = router(token, tokenizer, pd, cost=ALWAYS_REMOTE)
+    with rt as base:
+        assert rt.call(_match(rt, hashes)) == {}
+        assert complete(base, prompt, stream=False)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            held = rt.call(_match(rt, hashes))
+            if held.get(prefill.name) == 4:
+                break
+            time.sleep(0.1)
+        assert held.get(prefill.name) == 4
+
+
+async def _match(rt: RouterThread, hashes: list[int]) -> dict[str, int]:
+    return rt.service.planner.index.match(hashes)
