@@ -68,8 +68,10 @@ class QueueConfig:
     """Requests allowed to wait for a prefill slot; more are refused with 429."""
     decode_max_waiting: int = 256
     """Requests allowed to wait for a decode slot; more are refused with 429."""
-    prefill_slots_per_worker: int = 4
-    """Prefills the router keeps in flight per prefill-capable worker."""
+    prefill_slots_per_worker: int = 2
+    """Prefills the router keeps in flight per prefill-capable worker. Small on purpose:
+    a prompt waits in the router's queue, where it holds no reserved blocks, rather than
+    inside a busy worker while its decode-side lease runs down."""
     decode_slots_per_worker: int = 64
     """Sequences the router keeps in flight per decode-capable worker."""
     max_wait_s: float = 30.0

@@ -229,7 +229,9 @@ class Dispatcher:
                 self.pool.assign(p_name, +1)
                 try:
                     async with self.prefill_stage.slot():
-                        handle = await self._reserve(dconn, d_name, p_name, rid, len(prompt))
+                        # the lease covers the expected prefill with room to spare
+                        lease = max(self.config.timeouts.lease_s, 3 * plan.decision.remote_s)
+                        handle = await self._reserve(dconn, d_name, p_name, rid, len(prompt), lease)
                         pump = self._start(dconn, rid, prompt, sampling, True, queue)
                         await self._prefill(
                             pconn, p_name, dconn, d_name, rid, prompt, sampling, handle
@@ -301,14 +303,16 @@ class Dispatcher:
 
         return asyncio.create_task(pump(), name=f"generate-{rid}")
 
-    async def _reserve(self, dconn: WorkerConn, d_name: str, p_name: str, rid: str, n: int) -> Any:
+    async def _reserve(
+        self, dconn: WorkerConn, d_name: str, p_name: str, rid: str, n: int, lease_s: float
+    ) -> Any:
         t = self.config.timeouts
         compat = self.pool.compat(p_name)
         if compat is None:
             raise _AttemptFailed(p_name, "prefill_failed", "no health answer yet", lost=False)
         try:
             return await dconn.reserve(
-                rid, n, compat, t.lease_s, self.config.kv_backend, timeout=t.connect_s
+                rid, n, compat, lease_s, self.config.kv_backend, timeout=t.connect_s
             )
         except grpc.RpcError as e:
             code = _code(e)
