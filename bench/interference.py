@@ -8,7 +8,9 @@ short and long prompts, one after the other in this run:
 
 Each worker is pinned to one torch thread (``--threads 1``). For each setup it prints
 p50/p90/p99 of TTFT and TPOT, and goodput: requests per second that met the SLO
-(TTFT <= --slo-ttft and TPOT <= --slo-tpot). It writes a CDF plot (PNG) and ends with
+(TTFT <= --slo-ttft and TPOT <= --slo-tpot; by default twice what the colocated
+stack does for one request alone, measured at the start of the run). It writes a
+CDF plot (PNG) and ends with
 
     RESULT tpot_p99_disagg_vs_colocated=<r> goodput_disagg_vs_colocated=<r>
 
@@ -130,7 +132,7 @@ def pct(xs: list[float], q: float) -> float:
 
 def run_setup(
     name: str, roles: list[Role], args: argparse.Namespace, tokenizer: Any, trace: list[Arrival]
-) -> tuple[list[Outcome], float]:
+) -> tuple[list[Outcome], float, tuple[float, float]]:
     token = secrets.token_hex(8)
     print(f"\n== {name}: workers {[r.value for r in roles]}, 1 thread each", flush=True)
     with WorkerProcs(args.model, roles, token, threads=1, echo=False) as procs:
@@ -155,7 +157,7 @@ def run_setup(
             text = httpx.get(f"{base}/metrics").text
     decisions = [ln for ln in text.splitlines() if ln.startswith("splitserve_disagg")]
     print("  " + "; ".join(decisions))
-    return outs, wall
+    return outs, wall, (alone_l.ttft or 0.0, alone_s.tpot or 0.0)
 
 
 def summarize(
@@ -230,8 +232,18 @@ def main() -> int:
     ap.add_argument("--long-tokens", type=int, default=512)
     ap.add_argument("--short-output", type=int, default=48)
     ap.add_argument("--long-output", type=int, default=8)
-    ap.add_argument("--slo-ttft", type=float, default=4.0, help="seconds")
-    ap.add_argument("--slo-tpot", type=float, default=0.2, help="seconds")
+    ap.add_argument(
+        "--slo-ttft",
+        type=float,
+        default=None,
+        help="seconds (default: 2x the colocated stack's long-prompt TTFT alone)",
+    )
+    ap.add_argument(
+        "--slo-tpot",
+        type=float,
+        default=None,
+        help="seconds (default: 2x the colocated stack's short-prompt TPOT alone)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", default="bench/out/interference_cdf.png")
     args = ap.parse_args()
@@ -241,22 +253,31 @@ def main() -> int:
     n_long = sum(a.long for a in trace)
     print(f"trace: {len(trace)} requests over {args.duration:g} s ({n_long} long: "
           f"{args.long_tokens} prompt tokens -> {args.long_output}; short: {args.short_tokens} "
-          f"-> {args.short_output}); SLO: TTFT <= {args.slo_ttft:g} s and TPOT <= "
-          f"{args.slo_tpot * 1e3:g} ms")  # fmt: skip
+          f"-> {args.short_output})")  # fmt: skip
     setups = {
         "colocated": [Role.BOTH, Role.BOTH],
         "disaggregated": [Role.PREFILL, Role.DECODE],
     }
     outs: dict[str, list[Outcome]] = {}
     res: dict[str, dict[str, float]] = {}
+    walls: dict[str, float] = {}
     for name, roles in setups.items():
-        o, wall = run_setup(name, roles, args, tokenizer, trace)
-        outs[name] = o
-        res[name] = summarize(name, o, wall, args)
+        o, wall, alone = run_setup(name, roles, args, tokenizer, trace)
+        outs[name], walls[name] = o, wall
+        if name == "colocated":
+            # the SLO, unless given: twice what the colocated stack does with nothing else to do
+            args.slo_ttft = args.slo_ttft or round(2 * alone[0], 2)
+            args.slo_tpot = args.slo_tpot or round(2 * alone[1], 3)
+    print(f"\nSLO: TTFT <= {args.slo_ttft:g} s and TPOT <= {args.slo_tpot * 1e3:g} ms")
+    for name, o in outs.items():
+        res[name] = summarize(name, o, walls[name], args)
     plot(outs, Path(args.plot), args)
     c, d = res["colocated"], res["disaggregated"]
     tpot_ratio = d["tpot_p99"] / c["tpot_p99"] if c["tpot_p99"] > 0 else float("nan")
-    good_ratio = d["goodput"] / c["goodput"] if c["goodput"] > 0 else float("inf")
+    if c["goodput"] > 0:
+        good_ratio = d["goodput"] / c["goodput"]
+    else:  # nothing met the SLO colocated: a ratio means nothing unless disaggregated did
+        good_ratio = float("inf") if d["goodput"] > 0 else float("nan")
     print(f"RESULT tpot_p99_disagg_vs_colocated={tpot_ratio:.3f} "
           f"goodput_disagg_vs_colocated={good_ratio:.3f}")  # fmt: skip
     return 0
