@@ -120,8 +120,10 @@ async def _kv_receiver_async(backend: str, q_out: Any, q_in: Any) -> None:
         if rid is None:
             break
         if rid.startswith("check:"):
-            lease = leases.pop(rid[6:])
-            ok = lease is not None and lease.complete
+            lease = leases.get(rid[6:])
+            # as Commit does: the data is in place once every layer is reported arrived
+            ok = await asyncio.to_thread(receiver.wait_layers, lease, 30)
+            leases.pop(rid[6:])
             k, v = PoolView(pool).read(LAYERS - 1, blocks, 0, TOKENS)
             q_out.put((ok, float(k.sum() + v.sum())))
             continue
@@ -197,7 +199,9 @@ class BackendRun:
         dt = time.perf_counter() - t0
         self._q_in.put(f"check:{rid}")
         ok, total = self._q_out.get(timeout=60)
-        if not ok or abs(total - self._expect) > 1e-3 * max(1.0, abs(self._expect)):
+        if not ok:
+            raise SystemExit(f"{self._backend}: not every layer arrived")
+        if abs(total - self._expect) > 1e-3 * max(1.0, abs(self._expect)):
             raise SystemExit(f"{self._backend}: the received KV differs from what was sent")
         return dt
 
