@@ -226,11 +226,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per setup")
-    ap.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals per second")
-    ap.add_argument("--long-fraction", type=float, default=0.2)
+    ap.add_argument("--rate", type=float, default=0.3, help="Poisson arrivals per second")
+    ap.add_argument("--long-fraction", type=float, default=0.3)
     ap.add_argument("--short-tokens", type=int, default=32)
-    ap.add_argument("--long-tokens", type=int, default=512)
-    ap.add_argument("--short-output", type=int, default=48)
+    ap.add_argument("--long-tokens", type=int, default=1024)
+    ap.add_argument("--short-output", type=int, default=32)
     ap.add_argument("--long-output", type=int, default=8)
     ap.add_argument(
         "--slo-ttft",
