@@ -3,7 +3,8 @@
 One stack (two prefill, three decode workers, the router; real processes on 127.0.0.1)
 goes through the faults in order: the router's connections to a decode worker are cut,
 a decode worker is frozen (SIGSTOP) past its lease and thawed, a prefill worker is
-killed mid-prefill, a decode worker is killed mid-transfer, another mid-stream. After
+killed mid-prefill, a decode worker is killed mid-transfer, another mid-stream (each
+kill -9 comes right after a SIGSTOP, so the worker dies in the state it was seen in). After
 each: no request hangs, each one completed with the right greedy tokens or ended with a
 clear error in the OpenAI shape, and every surviving worker is back to its starting
 free-block count with no lease, running or waiting request left.
@@ -22,7 +23,7 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 N = 50
-MAX_TOKENS = 40
+MAX_TOKENS = 48
 BOUND_S = 45.0
 """No request may take longer than this (lease 3 s, inter-token timeout 3 s, 3 retries)."""
 
@@ -37,8 +38,19 @@ async def wait_for(pred: Callable[[], Awaitable[Any]], timeout: float, what: str
         got = await pred()
         if got:
             return got
+        if RUN and RUN[-1].done():
+            outcomes = RUN[-1].result()
+            raise AssertionError(
+                f"every request ended before {what} was seen: "
+                f"{sum(o.completed for o in outcomes)} of {len(outcomes)} completed; "
+                + "; ".join(f"#{o.index} {o.status} {o.error!r}" for o in outcomes[:3])
+            )
         await asyncio.sleep(0.005)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+RUN: list[asyncio.Task[Any]] = []
+"""The scenario's running batch of requests (so a wait can tell it ended already)."""
 
 
 def check(outcomes: list[Any], expected: list[list[int]], kit: Any) -> int:
@@ -65,6 +77,7 @@ async def scenario(
     await stack.wait_router_sees(stack.survivors())
     base = await stack.baseline_of(stack.survivors())
     run = asyncio.create_task(kit.many_requests(stack, prompts, MAX_TOKENS, BOUND_S))
+    RUN.append(run)
     try:
         await fault()
     finally:
@@ -126,14 +139,16 @@ def test_prefill_worker_killed_mid_prefill(
 
     async def fault() -> None:
         await wait_for(lambda: _leases(s, DECODE), 20, "a handoff in progress")
-        s.kill(p)
+        freeze_then_kill(s, p)
 
     async def go() -> None:
         before = await kit.router_metric(s, "splitserve_router_retries_total")
+        mark = len(s.router_lines)
         outs, _, n = await scenario(s, kit, tiny_model_path, 3, fault)
         assert n["done"] == N, kit.describe(outs)
         after = await kit.router_metric(s, "splitserve_router_retries_total")
-        assert sum(after.values()) > sum(before.values()), "no request was retried"
+        seen = [ln for ln in s.router_lines[mark:] if "failed (" in ln]
+        assert sum(after.values()) > sum(before.values()), f"none retried: {after}; {seen[-12:]}"
 
     asyncio.run(go())
 
@@ -146,13 +161,16 @@ def test_decode_worker_killed_mid_transfer(
 
     async def fault() -> None:
         d = await wait_for(lambda: _leases(s, DECODE), 20, "a reservation on a decode worker")
-        s.kill(d)
+        freeze_then_kill(s, d)
         killed.append(d)
 
     async def go() -> None:
+        before = await kit.router_metric(s, "splitserve_router_retries_total")
         outs, _, n = await scenario(s, kit, tiny_model_path, 4, fault)
         assert n["done"] == N, kit.describe(outs)
         assert killed and killed[0] not in s.survivors()
+        after = await kit.router_metric(s, "splitserve_router_retries_total")
+        assert sum(after.values()) > sum(before.values()), f"none retried: {after}"
 
     asyncio.run(go())
 
@@ -170,17 +188,26 @@ def test_decode_worker_killed_mid_stream(fault_stack: Any, kit: Any, tiny_model_
             return None
 
         d = await wait_for(busy, 20, "requests streaming on a decode worker") - 1
-        s.kill(d)
+        freeze_then_kill(s, d)
 
     async def go() -> None:
         before = await kit.router_metric(s, "splitserve_router_retries_total")
+        mark = len(s.router_lines)
         outs, _, n = await scenario(s, kit, tiny_model_path, 5, fault)
         assert n["done"] == N, kit.describe(outs)
         after = await kit.router_metric(s, "splitserve_router_retries_total")
         migrated = after.get('{reason="migrate"}', 0) - before.get('{reason="migrate"}', 0)
-        assert migrated > 0, f"no request migrated: {after}"
+        seen = [ln for ln in s.router_lines[mark:] if "failed (" in ln]
+        assert migrated > 0, f"no request migrated: {before} -> {after}; {seen[-12:]}"
 
     asyncio.run(go())
+
+
+def freeze_then_kill(s: Any, i: int) -> None:
+    """SIGSTOP at once (what it was doing when seen stays half done), then SIGKILL."""
+    s.freeze(i)
+    s.kill(i)
+    s.stopped.discard(i)
 
 
 async def _running(s: Any, i: int, at_least: int = 1) -> bool:
