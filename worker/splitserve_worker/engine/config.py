@@ -44,7 +44,9 @@ class EngineConfig:
     """Longest sequence (prompt plus output) in tokens; ``None``: the model's limit."""
 
     dtype: str = "auto"
-    """Weights and KV dtype: ``auto`` (the checkpoint's), ``float32``, ``bfloat16``, ``float16``."""
+    """Weights and KV dtype: ``auto`` (the loaded model's), ``float32``, ``bfloat16``,
+    ``float16``. Another dtype (or device) than the loaded model's converts that model in
+    place."""
 
     device: str | None = None
     """``cuda``, ``cpu`` or ``None`` (CUDA when present)."""

@@ -3,6 +3,7 @@ remote-KV calls; :mod:`.async_engine` wraps it for asyncio servers."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Callable, Iterable
@@ -345,7 +346,7 @@ class Engine:
         """
         prompt = [int(t) for t in prompt_token_ids]
         sampling = sampling or SamplingParams()
-        check = SamplingParams(**{**sampling.__dict__, "max_tokens": 1, "min_tokens": 0})
+        check = dataclasses.replace(sampling, max_tokens=1, min_tokens=0)
         self._check_request(request_id, prompt, check)
         seq = self._new_seq(request_id, prompt, sampling)
         bs = self.block_size
@@ -482,7 +483,8 @@ class Engine:
         seq = self._new_seq(request_id, prompt, sampling)
         if seq.generator is not None:
             # the prefill side drew the first token from the same seed: skip that draw
-            torch.empty(self.shape.vocab_size).exponential_(1.0, generator=seq.generator)
+            noise = torch.empty(self.shape.vocab_size, device=self.device)
+            noise.exponential_(1.0, generator=seq.generator)
         seq.block_table = list(r.blocks)
         self._seqs[request_id] = seq
         self.scheduler.add_running(seq)

@@ -83,6 +83,10 @@ class KVCache:
         """K and V of one layer as ``[num_slots, kv_heads, head_dim]`` views of the pool."""
         return self._flat[layer]
 
+    def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer as ``[num_blocks, block_size, kv_heads, head_dim]`` views."""
+        return self.pool[layer, 0], self.pool[layer, 1]
+
     def slots(self, block_table: Sequence[int], start: int, end: int) -> torch.Tensor:
         """Slot ids of positions ``[start, end)`` of a sequence with this block table."""
         bs = self.block_size

@@ -133,23 +133,24 @@ class ModelRunner:
     def _attention(
         self, layer: int, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        kf, vf = self.kv.layer(layer)
-        if plan.decode_rows is not None and plan.prefills == []:
-            return self._decode_attention(plan, q, kf, vf)
+        kb, vb = self.kv.layer_blocks(layer)
+        if plan.decode is not None and not plan.prefills:
+            return self._decode_attention(plan.decode, q, kb, vb)
         out = torch.empty_like(q)
-        if plan.decode_rows is not None:
-            out[plan.decode_rows] = self._decode_attention(plan, q[plan.decode_rows], kf, vf)
+        if plan.decode is not None:
+            rows = plan.decode.rows
+            out[rows] = self._decode_attention(plan.decode, q[rows], kb, vb)
         for p in plan.prefills:
             qp = q[p.lo : p.hi].transpose(0, 1).unsqueeze(0)
-            if p.gather is None:
+            if p.blocks is None:
                 kp = k[p.lo : p.hi].transpose(0, 1).unsqueeze(0)
                 vp = v[p.lo : p.hi].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(
                     qp, kp, vp, is_causal=True, scale=self.scaling, enable_gqa=True
                 )
             else:
-                kp = kf.index_select(0, p.gather).transpose(0, 1).unsqueeze(0)
-                vp = vf.index_select(0, p.gather).transpose(0, 1).unsqueeze(0)
+                kp = _gather(kb, p.blocks, p.ctx).unsqueeze(0)
+                vp = _gather(vb, p.blocks, p.ctx).unsqueeze(0)
                 o = F.scaled_dot_product_attention(
                     qp, kp, vp, attn_mask=p.mask, scale=self.scaling, enable_gqa=True
                 )
@@ -157,25 +158,44 @@ class ModelRunner:
         return out
 
     def _decode_attention(
-        self, plan: _Plan, q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor
+        self, d: _Decode, q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor
     ) -> torch.Tensor:
-        assert plan.decode_gather is not None
-        b, lmax = plan.decode_gather.shape
-        idx = plan.decode_gather.view(-1)
-        kd = kf.index_select(0, idx).view(b, lmax, kf.shape[1], kf.shape[2]).transpose(1, 2)
-        vd = vf.index_select(0, idx).view(b, lmax, vf.shape[1], vf.shape[2]).transpose(1, 2)
+        kd = _gather(kb, d.tables, d.lmax)
+        vd = _gather(vb, d.tables, d.lmax)
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), kd, vd, attn_mask=plan.decode_mask, scale=self.scaling, enable_gqa=True
+            q.unsqueeze(2), kd, vd, attn_mask=d.mask, scale=self.scaling, enable_gqa=True
         )
         return o.squeeze(2)
+
+
+def _gather(blocks: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
+    """K or V of whole blocks ``tables`` (``[nblk]`` or ``[B, nblk]``) of one layer's
+    ``[num_blocks, block_size, heads, dim]`` pool, cut to ``length`` positions, laid out
+    ``[..., heads, length, dim]`` contiguous (what attention reads fastest)."""
+    _, bs, h, d = blocks.shape
+    g = blocks.index_select(0, tables.reshape(-1))
+    g = g.view(*tables.shape[:-1], tables.shape[-1] * bs, h, d)[..., :length, :, :]
+    return g.transpose(-3, -2).contiguous()
 
 
 @dataclass
 class _Prefill:
     lo: int
     hi: int
-    gather: torch.Tensor | None
+    ctx: int
+    blocks: torch.Tensor | None
+    """Blocks to read K/V from (a chunk after cached or earlier tokens); None: the chunk
+    starts the sequence and attends only to its own fresh K/V."""
     mask: torch.Tensor | None
+
+
+@dataclass
+class _Decode:
+    rows: torch.Tensor
+    tables: torch.Tensor
+    """``[B, nblk]`` block tables, padded with block 0 (masked out)."""
+    lmax: int
+    mask: torch.Tensor
 
 
 @dataclass
@@ -186,9 +206,7 @@ class _Plan:
     positions: torch.Tensor
     slots: torch.Tensor
     logit_rows: torch.Tensor
-    decode_rows: torch.Tensor | None
-    decode_gather: torch.Tensor | None
-    decode_mask: torch.Tensor | None
+    decode: _Decode | None
     prefills: list[_Prefill]
 
     @staticmethod
@@ -205,54 +223,44 @@ class _Plan:
             n = len(c.token_ids)
             ids.extend(c.token_ids)
             table = c.block_table
-            for p in range(c.start, c.start + n):
-                pos.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
+            end = c.start + n
+            pos.extend(range(c.start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, end))
             if c.need_logits:
                 logit_rows.append(lo + n - 1)
             if n == 1:
                 decode_rows.append(lo)
                 decode_chunks.append(c)
             elif c.start == 0:
-                prefills.append(_Prefill(lo, lo + n, None, None))
+                prefills.append(_Prefill(lo, lo + n, end, None, None))
             else:
-                ctx = c.start + n
-                gather = torch.tensor(
-                    [table[p // bs] * bs + p % bs for p in range(ctx)], dtype=torch.long
-                )
-                qpos = torch.arange(c.start, ctx).unsqueeze(1)
-                mask = torch.arange(ctx).unsqueeze(0) <= qpos
-                prefills.append(_Prefill(lo, lo + n, gather.to(device), mask.to(device)))
+                nblk = (end + bs - 1) // bs
+                blocks = torch.tensor(list(table[:nblk]), dtype=torch.long, device=device)
+                qpos = torch.arange(c.start, end).unsqueeze(1)
+                mask = (torch.arange(end).unsqueeze(0) <= qpos).to(device)
+                prefills.append(_Prefill(lo, lo + n, end, blocks, mask))
 
         def tensor(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=device)
 
-        d_rows: torch.Tensor | None = None
-        d_gather: torch.Tensor | None = None
-        d_mask: torch.Tensor | None = None
+        decode: _Decode | None = None
         if decode_chunks:
             lens = [c.start + 1 for c in decode_chunks]
             lmax = max(lens)
             nblk = (lmax + bs - 1) // bs
             tables = torch.tensor(
-                [
-                    list(c.block_table[:nblk]) + [0] * (nblk - min(nblk, len(c.block_table)))
-                    for c in decode_chunks
-                ],
+                [list(c.block_table[:nblk]) + [0] * (nblk - min(nblk, len(c.block_table)))
+                 for c in decode_chunks],
                 dtype=torch.long,
-            )
-            ar = torch.arange(lmax)
-            d_gather = (tables[:, ar // bs] * bs + ar % bs).to(device)
-            d_mask = (ar.unsqueeze(0) < torch.tensor(lens).unsqueeze(1)).to(device)
-            d_mask = d_mask[:, None, None, :]
-            d_rows = tensor(decode_rows)
+                device=device,
+            )  # fmt: skip
+            mask = torch.arange(lmax).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+            decode = _Decode(tensor(decode_rows), tables, lmax, mask[:, None, None, :].to(device))
         return _Plan(
             input_ids=tensor(ids),
             positions=tensor(pos),
             slots=tensor(slots),
             logit_rows=tensor(logit_rows),
-            decode_rows=d_rows,
-            decode_gather=d_gather,
-            decode_mask=d_mask,
+            decode=decode,
             prefills=prefills,
         )
