@@ -152,9 +152,9 @@ class RouterConfig:
     """Longest prompt plus completion accepted, in tokens."""
     default_max_tokens: int = 256
     """max_tokens used when a request does not say."""
-    api_key: str | None = None
-    """If set, requests need 'Authorization: Bearer <api_key>'."""
-    worker_token: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    """If set, requests need 'Authorization: Bearer <api_key>'; never printed."""
+    worker_token: str | None = field(default=None, repr=False)
     """Shared secret sent to workers on every gRPC call."""
     kv_backend: str = "grpc"
     """KV transport asked of decode workers on Reserve: 'grpc' or 'nixl'."""
