@@ -19,6 +19,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -174,6 +175,20 @@ def stack_roles(prefill: int, decode: int, colocated: int) -> list[Role]:
     return roles
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Fails early, before any worker starts, when the router's port is taken."""
+    if port == 0:
+        return
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise StackError(
+                f"cannot listen on {host}:{port} ({e.strerror}); pass another --port, "
+                "or --port 0 for any free one"
+            ) from None
+
+
 @contextlib.contextmanager
 def _quiet_uvicorn_signals(server: Any) -> Iterator[None]:
     yield
@@ -277,6 +292,7 @@ async def _main(args: argparse.Namespace) -> int:
     from splitserve_worker.router.service import RouterService
 
     roles = stack_roles(args.prefill, args.decode, args.colocated)
+    check_port_free("127.0.0.1", args.port)
     token = secrets.token_hex(16)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
