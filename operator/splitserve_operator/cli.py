@@ -8,6 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from splitserve_operator.autoscale import AutoscaleConfig
 from splitserve_operator.config import OperatorConfig
 
 
@@ -54,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz",
     )
     p.add_argument("--no-events", action="store_true", help="do not record Kubernetes Events")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve the planner's /metrics (decisions, desired vs ready) on this port")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -68,6 +71,7 @@ def config_from(args: argparse.Namespace) -> OperatorConfig:
         request_timeout=args.request_timeout,
         liveness_endpoint=args.liveness,
         record_events=not args.no_events,
+        autoscale=AutoscaleConfig(metrics_port=args.metrics_port),
     )
 
 

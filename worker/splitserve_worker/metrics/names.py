@@ -34,67 +34,174 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 )  # fmt: skip
 
 # ---- router (the user-facing view) ----
-TTFT = MetricSpec(PREFIX + "time_to_first_token_seconds", Kind.HISTOGRAM,
-                  "Time from request arrival to the first generated token.")
-TPOT = MetricSpec(PREFIX + "time_per_output_token_seconds", Kind.HISTOGRAM,
-                  "Mean time between output tokens of a request, after the first.")
-E2E = MetricSpec(PREFIX + "e2e_request_latency_seconds", Kind.HISTOGRAM,
-                 "Time from request arrival to its last token.")
-REQUESTS = MetricSpec(PREFIX + "requests_total", Kind.COUNTER,
-                      "Finished requests by outcome.", ("outcome",))
+TTFT = MetricSpec(
+    PREFIX + "time_to_first_token_seconds",
+    Kind.HISTOGRAM,
+    "Time from request arrival to the first generated token.",
+)
+TPOT = MetricSpec(
+    PREFIX + "time_per_output_token_seconds",
+    Kind.HISTOGRAM,
+    "Mean time between output tokens of a request, after the first.",
+)
+E2E = MetricSpec(
+    PREFIX + "e2e_request_latency_seconds",
+    Kind.HISTOGRAM,
+    "Time from request arrival to its last token.",
+)
+REQUESTS = MetricSpec(
+    PREFIX + "requests_total", Kind.COUNTER, "Finished requests by outcome.", ("outcome",)
+)
 PROMPT_TOKENS = MetricSpec(PREFIX + "prompt_tokens_total", Kind.COUNTER, "Prompt tokens received.")
-GENERATION_TOKENS = MetricSpec(PREFIX + "generation_tokens_total", Kind.COUNTER,
-                               "Tokens generated.")
-PREFILL_QUEUE = MetricSpec(PREFIX + "prefill_queue_depth", Kind.GAUGE,
-                           "Requests waiting for a prefill worker.")
-DECODE_QUEUE = MetricSpec(PREFIX + "decode_queue_depth", Kind.GAUGE,
-                          "Requests waiting for a decode worker.")
-DISAGG_DECISIONS = MetricSpec(PREFIX + "disaggregation_decisions_total", Kind.COUNTER,
-                              "Per-request choice: remote prefill or local prefill.",
-                              ("decision",))
-ROUTER_RETRIES = MetricSpec(PREFIX + "router_retries_total", Kind.COUNTER,
-                            "Retries and migrations after a worker failure.", ("reason",))
+GENERATION_TOKENS = MetricSpec(
+    PREFIX + "generation_tokens_total", Kind.COUNTER, "Tokens generated."
+)
+PREFILL_QUEUE = MetricSpec(
+    PREFIX + "prefill_queue_depth", Kind.GAUGE, "Requests waiting for a prefill worker."
+)
+DECODE_QUEUE = MetricSpec(
+    PREFIX + "decode_queue_depth", Kind.GAUGE, "Requests waiting for a decode worker."
+)
+DISAGG_DECISIONS = MetricSpec(
+    PREFIX + "disaggregation_decisions_total",
+    Kind.COUNTER,
+    "Per-request choice: remote prefill or local prefill.",
+    ("decision",),
+)
+ROUTER_RETRIES = MetricSpec(
+    PREFIX + "router_retries_total",
+    Kind.COUNTER,
+    "Retries and migrations after a worker failure.",
+    ("reason",),
+)
 
 # ---- workers ----
-RUNNING = MetricSpec(PREFIX + "running_sequences", Kind.GAUGE,
-                     "Sequences in the running batch of a worker.", ("role",))
-WAITING = MetricSpec(PREFIX + "waiting_sequences", Kind.GAUGE,
-                     "Sequences waiting inside a worker.", ("role",))
-KV_BLOCKS_USED = MetricSpec(PREFIX + "kv_blocks_used", Kind.GAUGE, "KV cache blocks in use.",
-                            ("role",))
-KV_BLOCKS_FREE = MetricSpec(PREFIX + "kv_blocks_free", Kind.GAUGE,
-                            "KV cache blocks free (including evictable cached blocks).",
-                            ("role",))
-PREFIX_QUERIES = MetricSpec(PREFIX + "prefix_cache_queries_total", Kind.COUNTER,
-                            "Prompt tokens looked up in the prefix cache.", ("role",))
-PREFIX_HITS = MetricSpec(PREFIX + "prefix_cache_hits_total", Kind.COUNTER,
-                         "Prompt tokens found in the prefix cache.", ("role",))
-WORKER_PREFILL_TOKENS = MetricSpec(PREFIX + "worker_prefill_tokens_total", Kind.COUNTER,
-                                   "Prompt tokens computed by a worker.", ("role",))
-WORKER_DECODE_TOKENS = MetricSpec(PREFIX + "worker_decode_tokens_total", Kind.COUNTER,
-                                  "Tokens decoded by a worker.", ("role",))
-KV_TRANSFER_BYTES = MetricSpec(PREFIX + "kv_transfer_bytes_total", Kind.COUNTER,
-                               "KV cache bytes moved between workers.", ("backend", "direction"))
-KV_TRANSFER_DURATION = MetricSpec(PREFIX + "kv_transfer_duration_seconds", Kind.HISTOGRAM,
-                                  "Duration of one request's KV transfer.", ("backend",))
-KV_TRANSFER_FAILURES = MetricSpec(PREFIX + "kv_transfer_failures_total", Kind.COUNTER,
-                                  "KV transfers that failed.", ("backend", "reason"))
-GPU_UTILIZATION = MetricSpec(PREFIX + "gpu_utilization_ratio", Kind.GAUGE,
-                             "GPU utilisation, 0 to 1 (only where a GPU exists).", ("gpu",))
-GPU_MEMORY_USED = MetricSpec(PREFIX + "gpu_memory_used_bytes", Kind.GAUGE,
-                             "GPU memory in use (only where a GPU exists).", ("gpu",))
+RUNNING = MetricSpec(
+    PREFIX + "running_sequences",
+    Kind.GAUGE,
+    "Sequences in the running batch of a worker.",
+    ("role",),
+)
+WAITING = MetricSpec(
+    PREFIX + "waiting_sequences", Kind.GAUGE, "Sequences waiting inside a worker.", ("role",)
+)
+KV_BLOCKS_USED = MetricSpec(
+    PREFIX + "kv_blocks_used", Kind.GAUGE, "KV cache blocks in use.", ("role",)
+)
+KV_BLOCKS_FREE = MetricSpec(
+    PREFIX + "kv_blocks_free",
+    Kind.GAUGE,
+    "KV cache blocks free (including evictable cached blocks).",
+    ("role",),
+)
+PREFIX_QUERIES = MetricSpec(
+    PREFIX + "prefix_cache_queries_total",
+    Kind.COUNTER,
+    "Prompt tokens looked up in the prefix cache.",
+    ("role",),
+)
+PREFIX_HITS = MetricSpec(
+    PREFIX + "prefix_cache_hits_total",
+    Kind.COUNTER,
+    "Prompt tokens found in the prefix cache.",
+    ("role",),
+)
+WORKER_PREFILL_TOKENS = MetricSpec(
+    PREFIX + "worker_prefill_tokens_total",
+    Kind.COUNTER,
+    "Prompt tokens computed by a worker.",
+    ("role",),
+)
+WORKER_DECODE_TOKENS = MetricSpec(
+    PREFIX + "worker_decode_tokens_total", Kind.COUNTER, "Tokens decoded by a worker.", ("role",)
+)
+KV_TRANSFER_BYTES = MetricSpec(
+    PREFIX + "kv_transfer_bytes_total",
+    Kind.COUNTER,
+    "KV cache bytes moved between workers.",
+    ("backend", "direction"),
+)
+KV_TRANSFER_DURATION = MetricSpec(
+    PREFIX + "kv_transfer_duration_seconds",
+    Kind.HISTOGRAM,
+    "Duration of one request's KV transfer.",
+    ("backend",),
+)
+KV_TRANSFER_FAILURES = MetricSpec(
+    PREFIX + "kv_transfer_failures_total",
+    Kind.COUNTER,
+    "KV transfers that failed.",
+    ("backend", "reason"),
+)
+GPU_UTILIZATION = MetricSpec(
+    PREFIX + "gpu_utilization_ratio",
+    Kind.GAUGE,
+    "GPU utilisation, 0 to 1 (only where a GPU exists).",
+    ("gpu",),
+)
+GPU_MEMORY_USED = MetricSpec(
+    PREFIX + "gpu_memory_used_bytes",
+    Kind.GAUGE,
+    "GPU memory in use (only where a GPU exists).",
+    ("gpu",),
+)
+GPU_MEMORY_TOTAL = MetricSpec(
+    PREFIX + "gpu_memory_total_bytes",
+    Kind.GAUGE,
+    "GPU memory installed (only where a GPU exists).",
+    ("gpu",),
+)
 
 # ---- operator ----
-PLANNER_DECISIONS = MetricSpec(PREFIX + "planner_decisions_total", Kind.COUNTER,
-                               "Planner decisions by pool and direction.",
-                               ("namespace", "service", "pool", "direction"))
-REPLICAS_DESIRED = MetricSpec(PREFIX + "pool_replicas_desired", Kind.GAUGE,
-                              "Replicas the operator wants for a pool.",
-                              ("namespace", "service", "pool"))
-REPLICAS_READY = MetricSpec(PREFIX + "pool_replicas_ready", Kind.GAUGE,
-                            "Replicas ready in a pool.", ("namespace", "service", "pool"))
+PLANNER_DECISIONS = MetricSpec(
+    PREFIX + "planner_decisions_total",
+    Kind.COUNTER,
+    "Planner decisions by pool and direction.",
+    ("namespace", "service", "pool", "direction"),
+)
+REPLICAS_DESIRED = MetricSpec(
+    PREFIX + "pool_replicas_desired",
+    Kind.GAUGE,
+    "Replicas the operator wants for a pool.",
+    ("namespace", "service", "pool"),
+)
+REPLICAS_READY = MetricSpec(
+    PREFIX + "pool_replicas_ready",
+    Kind.GAUGE,
+    "Replicas ready in a pool.",
+    ("namespace", "service", "pool"),
+)
+SLO_TARGET = MetricSpec(
+    PREFIX + "slo_target_seconds",
+    Kind.GAUGE,
+    "An InferenceService's latency objective (objective: ttft or tpot) at its percentile, "
+    "for dashboards to draw against the observed percentiles.",
+    ("namespace", "service", "objective"),
+)
+PLANNER_METRICS_AVAILABLE = MetricSpec(
+    PREFIX + "planner_metrics_available",
+    Kind.GAUGE,
+    "1 when the last planner tick had the metrics it needs, 0 when it held for missing data.",
+    ("namespace", "service"),
+)
+PLANNER_CAPACITY = MetricSpec(
+    PREFIX + "planner_capacity_per_replica",
+    Kind.GAUGE,
+    "Per-replica capacity the planner has learned "
+    "(prefill: prompt tokens/s, decode: generated tokens/s).",
+    ("namespace", "service", "pool"),
+)
+PLANNER_SLO_RATIO = MetricSpec(
+    PREFIX + "planner_slo_ratio",
+    Kind.GAUGE,
+    "Observed latency percentile over its SLO as the planner saw it "
+    "(prefill: TTFT, decode: TPOT); above 1 breaks the SLO.",
+    ("namespace", "service", "pool"),
+)
 
-ALL: tuple[MetricSpec, ...] = tuple(v for v in list(globals().values()) if isinstance(v, MetricSpec))
+ALL: tuple[MetricSpec, ...] = tuple(
+    v for v in list(globals().values()) if isinstance(v, MetricSpec)
+)
 
 
 def exported_series_names() -> set[str]:
@@ -103,7 +210,7 @@ def exported_series_names() -> set[str]:
     for m in ALL:
         out.add(m.name)
         if m.kind is Kind.HISTOGRAM:
-            out |= {m.name + "_bucket", m.name + "_sum", m.name + "_count"}
+            out |= {m.name + "_bucket", m.name + "_sum", m.name + "_count", m.name + "_created"}
         if m.kind is Kind.COUNTER and m.name.endswith("_total"):
             out.add(m.name[: -len("_total")] + "_created")
     return out

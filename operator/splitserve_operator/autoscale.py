@@ -1,0 +1,545 @@
+"""The autoscaling loop: Prometheus in, the planner's decision out to the cluster.
+
+Every ``autoscaling.intervalSeconds`` (per InferenceService; a kopf timer wakes
+every ``AutoscaleConfig.resolution_s`` and skips services whose interval has
+not passed) :meth:`Autoscaler.tick`:
+
+1. reads the pools' Deployments (ready replicas) and the planner's last
+   ``status.pools.<pool>.desiredReplicas``;
+2. asks the :class:`~splitserve_operator.prometheus.MetricsSource` for one
+   observation (PromQL over Prometheus's HTTP API);
+3. runs the pure planner (:func:`splitserve_operator.planner.plan`);
+4. writes the decision where the operator's seam expects it,
+   ``status.pools.<pool>.desiredReplicas`` (the reconciler applies it to the
+   Deployment, clamped to the bounds; see ``render/replicas.py``), with the
+   reasons under ``status.autoscaling`` and the ``ScalingActive`` condition;
+   records an Event on every change, and updates the operator's metrics.
+
+Prometheus unreachable or the series missing: the planner holds, the
+condition ``ScalingActive`` turns False with reason ``MetricsUnavailable``,
+one Warning event says why, and no replica count moves.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+from splitserve_operator.planner import (
+    Bounds,
+    Direction,
+    Plan,
+    PlannerConfig,
+    PlannerState,
+    PoolDecision,
+    PoolStatus,
+    Slo,
+    Tick,
+    plan,
+)
+from splitserve_operator.planner import Pool as PlannerPool
+from splitserve_operator.prometheus import (
+    DEFAULT_SELECTOR,
+    MetricsSource,
+    MetricsUnavailable,
+    PrometheusSource,
+    Target,
+)
+from splitserve_operator.spec import InferenceServiceSpec, Pool, SpecError, parse_spec
+
+if TYPE_CHECKING:
+    import kopf
+    from splitserve_worker.metrics.server import MetricsServer
+
+    from splitserve_operator.k8s import Kind
+
+log = logging.getLogger(__name__)
+
+CONDITION = "ScalingActive"
+"""Condition type (as the HorizontalPodAutoscaler names it): True while the
+planner has the metrics it needs, False while it holds for lack of them."""
+REASON_ACTIVE = "MetricsAvailable"
+REASON_HOLDING = "MetricsUnavailable"
+EVENT_SCALED_UP = "ScaledUp"
+EVENT_SCALED_DOWN = "ScaledDown"
+
+POOLS: dict[PlannerPool, Pool] = {
+    PlannerPool.PREFILL: Pool.PREFILL,
+    PlannerPool.DECODE: Pool.DECODE,
+}
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    resolution_s: float = 5.0
+    """Seconds (s) between wake-ups of the kopf timer. Each InferenceService is
+    ticked at its own ``autoscaling.intervalSeconds`` (at least 5 s), so this
+    only bounds how late a tick can be."""
+
+    window_s: float = 60.0
+    """Seconds (s) the PromQL rates and percentiles look back. Four scrapes at
+    least: 60 s suits a 15 s scrape interval. Also the planner's
+    ``observation_window_s`` (it waits this long after a resize before
+    trusting what it sees)."""
+
+    fast_window_s: float = 30.0
+    """Seconds (s) of the short arrival-rate window that notices a load step
+    sooner (two scrapes at least)."""
+
+    selector_template: str = DEFAULT_SELECTOR
+    """PromQL label matchers picking one service's series; ``{namespace}`` and
+    ``{name}`` are filled in (see :data:`~splitserve_operator.prometheus.DEFAULT_SELECTOR`)."""
+
+    metrics_port: int | None = None
+    """Port for the operator's own ``/metrics`` (planner decisions, desired vs
+    ready replicas); None: not served. 0 picks a free port."""
+
+    metrics_host: str = "0.0.0.0"
+
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    """The planner's knobs; its ``observation_window_s`` is set to ``window_s``."""
+
+    forget_after_s: float = 3600.0
+    """Seconds (s) without a tick after which a service's planner memory is
+    dropped (it was deleted, or autoscaling was turned off)."""
+
+    def planner_config(self) -> PlannerConfig:
+        return replace(self.planner, observation_window_s=self.window_s)
+
+
+class AutoscaleCluster(Protocol):
+    """What the loop needs from the API (the operator's KubeClient; fakes in tests)."""
+
+    def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None: ...
+    def patch(
+        self,
+        kind: Kind,
+        namespace: str,
+        name: str,
+        patch: Any,
+        *,
+        subresource: str | None = None,
+        content_type: str = ...,
+    ) -> dict[str, Any]: ...
+    def event(self, involved: Mapping[str, Any], type_: str, reason: str, message: str) -> None: ...
+
+
+class OperatorMetrics:
+    """The operator's series (names from :mod:`splitserve_worker.metrics.names`)."""
+
+    def __init__(self, registry: Any | None = None) -> None:
+        from splitserve_worker.metrics import names
+        from splitserve_worker.metrics.registry import Metrics
+
+        self.metrics = Metrics(registry)
+        self.registry = self.metrics.registry
+        self.decisions = self.metrics.counter(names.PLANNER_DECISIONS)
+        self.desired = self.metrics.gauge(names.REPLICAS_DESIRED)
+        self.ready = self.metrics.gauge(names.REPLICAS_READY)
+        self.available = self.metrics.gauge(names.PLANNER_METRICS_AVAILABLE)
+        self.capacity = self.metrics.gauge(names.PLANNER_CAPACITY)
+        self.slo_ratio = self.metrics.gauge(names.PLANNER_SLO_RATIO)
+        self.slo_target = self.metrics.gauge(names.SLO_TARGET)
+
+    def record(
+        self,
+        namespace: str,
+        name: str,
+        result: Plan,
+        ready: Mapping[PlannerPool, int],
+        slo: Slo,
+    ) -> None:
+        for objective, seconds in (("ttft", slo.ttft_s), ("tpot", slo.tpot_s)):
+            self.slo_target.labels(namespace=namespace, service=name, objective=objective).set(
+                seconds
+            )
+        self.available.labels(namespace=namespace, service=name).set(
+            1.0 if result.metrics_ok else 0.0
+        )
+        for d in result.decisions():
+            labels = {"namespace": namespace, "service": name, "pool": d.pool.value}
+            self.decisions.labels(direction=d.direction.value, **labels).inc()
+            self.desired.labels(**labels).set(d.replicas)
+            self.ready.labels(**labels).set(ready[d.pool])
+            if d.capacity is not None:
+                self.capacity.labels(**labels).set(d.capacity)
+            if d.slo_ratio is not None:
+                self.slo_ratio.labels(**labels).set(d.slo_ratio)
+
+
+@dataclass
+class _Memory:
+    state: PlannerState
+    last_tick: float
+    scaling_active: bool | None = None
+    last_scale: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TickResult:
+    plan: Plan
+    patched: bool
+    hold_reason: str | None
+    """Why the tick held for missing data, else None."""
+
+
+def _map(value: object) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _iso(moment: dt.datetime) -> str:
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Autoscaler:
+    """Runs planner ticks for every InferenceService with autoscaling enabled."""
+
+    def __init__(
+        self,
+        cluster: AutoscaleCluster,
+        config: AutoscaleConfig | None = None,
+        *,
+        source_factory: Callable[[str], MetricsSource] | None = None,
+        metrics: OperatorMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
+        record_events: bool = True,
+    ) -> None:
+        self.cluster = cluster
+        self.config = config or AutoscaleConfig()
+        self.metrics = metrics or OperatorMetrics()
+        self._source_factory = source_factory or self._prometheus
+        self._sources: dict[str, MetricsSource] = {}
+        self._memory: dict[tuple[str, str, str], _Memory] = {}
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._wall = wall_clock
+        self._record_events = record_events
+        self._server: MetricsServer | None = None
+
+    def _prometheus(self, url: str) -> MetricsSource:
+        return PrometheusSource(url, selector_template=self.config.selector_template)
+
+    def _source(self, url: str) -> MetricsSource:
+        with self._lock:
+            source = self._sources.get(url)
+            if source is None:
+                source = self._sources[url] = self._source_factory(url)
+            return source
+
+    # -- the operator's own /metrics ------------------------------------------------
+
+    def start_metrics_server(self) -> int | None:
+        if self.config.metrics_port is None or self._server is not None:
+            return self._server.port if self._server else None
+        from splitserve_worker.metrics.server import start_metrics_server
+
+        self._server = start_metrics_server(
+            self.config.metrics_port, self.metrics.registry, host=self.config.metrics_host
+        )
+        log.info("operator metrics on %s", self._server.url)
+        return self._server.port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for source in self._sources.values():
+            close = getattr(source, "close", None)
+            if callable(close):
+                close()
+        self._sources.clear()
+
+    # -- one tick ----------------------------------------------------------------------
+
+    def due(self, body: Mapping[str, Any]) -> bool:
+        """Whether ``body``'s interval has passed since its last tick."""
+        try:
+            spec = parse_spec(body.get("spec"))
+        except SpecError:
+            return False
+        if not spec.autoscaling.enabled:
+            return False
+        memory = self._memory.get(self._key(body))
+        return memory is None or (
+            self._clock() - memory.last_tick >= spec.autoscaling.interval_seconds - 0.5
+        )
+
+    @staticmethod
+    def _key(body: Mapping[str, Any]) -> tuple[str, str, str]:
+        meta = _map(body.get("metadata"))
+        return (
+            str(meta.get("namespace") or ""),
+            str(meta.get("name") or ""),
+            str(meta.get("uid") or ""),
+        )
+
+    def tick(self, body: Mapping[str, Any], *, force: bool = False) -> TickResult | None:
+        """One planner tick for ``body`` if it is due (or ``force``); None if skipped."""
+        if not force and not self.due(body):
+            return None
+        try:
+            spec = parse_spec(body.get("spec"))
+        except SpecError:
+            return None
+        if not spec.autoscaling.enabled or spec.autoscaling.prometheus_url is None:
+            return None
+        namespace, name, _uid = key = self._key(body)
+        now = self._clock()
+        self._forget_stale(now)
+        statuses = self._pool_statuses(body, spec, namespace, name)
+        if statuses is None:
+            return None  # Deployments not created yet: the reconciler is still at work
+        slo = Slo(
+            ttft_s=float(spec.slo.ttft_seconds or 0.0),
+            tpot_s=float(spec.slo.tpot_seconds or 0.0),
+            percentile=spec.slo.percentile,
+        )
+        target = Target(
+            namespace, name, slo.percentile, self.config.window_s, self.config.fast_window_s
+        )
+        hold_reason: str | None = None
+        try:
+            observation = self._source(spec.autoscaling.prometheus_url).observe(target)
+        except MetricsUnavailable as exc:
+            observation, hold_reason = None, str(exc)
+        memory = self._memory.get(key)
+        if memory is None:
+            memory = _Memory(
+                state=PlannerState.initial(
+                    self.config.planner.prefill_capacity_hint,
+                    self.config.planner.decode_capacity_hint,
+                ),
+                last_tick=now,
+            )
+            self._memory[key] = memory
+        result = plan(
+            memory.state,
+            Tick(
+                now=now,
+                slo=slo,
+                prefill=statuses[PlannerPool.PREFILL],
+                decode=statuses[PlannerPool.DECODE],
+                observation=observation,
+            ),
+            self.config.planner_config(),
+        )
+        memory.state = result.state
+        memory.last_tick = now
+        if not result.metrics_ok and hold_reason is None:
+            hold_reason = (
+                "; ".join(
+                    d.detail.removeprefix("holding: ")
+                    for d in result.decisions()
+                    if d.reason.value == REASON_HOLDING
+                )
+                or "metrics missing"
+            )
+        patched = self._write(body, spec, result, memory, hold_reason)
+        ready = {p: s.ready for p, s in statuses.items()}
+        self.metrics.record(namespace, name, result, ready, slo)
+        self._events(body, result, memory, hold_reason)
+        for d in result.decisions():
+            if d.changed:
+                log.info(
+                    "%s/%s %s %d -> %d: %s: %s",
+                    namespace,
+                    name,
+                    d.pool.value,
+                    d.previous,
+                    d.replicas,
+                    d.reason.value,
+                    d.detail,
+                )
+        return TickResult(plan=result, patched=patched, hold_reason=hold_reason)
+
+    def _forget_stale(self, now: float) -> None:
+        stale = [
+            k for k, m in self._memory.items() if now - m.last_tick > self.config.forget_after_s
+        ]
+        for k in stale:
+            del self._memory[k]
+
+    def _pool_statuses(
+        self, body: Mapping[str, Any], spec: InferenceServiceSpec, namespace: str, name: str
+    ) -> dict[PlannerPool, PoolStatus] | None:
+        from splitserve_operator.k8s import DEPLOYMENT
+
+        recorded = _map(_map(body.get("status")).get("pools"))
+        out: dict[PlannerPool, PoolStatus] = {}
+        for planner_pool, pool in POOLS.items():
+            deployment = self.cluster.get(DEPLOYMENT, namespace, f"{name}-{pool.value}")
+            if deployment is None:
+                return None
+            applied = _int(_map(deployment.get("spec")).get("replicas"))
+            ready = _int(_map(deployment.get("status")).get("readyReplicas")) or 0
+            desired = _int(_map(recorded.get(pool.value)).get("desiredReplicas"))
+            bounds = spec.autoscaling.bounds(pool)
+            current = desired if desired is not None else (applied if applied is not None else 1)
+            out[planner_pool] = PoolStatus(
+                replicas=current,
+                ready=ready,
+                bounds=Bounds(bounds.min_replicas, bounds.max_replicas),
+            )
+        return out
+
+    # -- writing the decision ------------------------------------------------------------
+
+    def _write(
+        self,
+        body: Mapping[str, Any],
+        spec: InferenceServiceSpec,
+        result: Plan,
+        memory: _Memory,
+        hold_reason: str | None,
+    ) -> bool:
+        from splitserve_operator.k8s import INFERENCE_SERVICE
+
+        namespace, name, _ = self._key(body)
+        status = _map(body.get("status"))
+        stamp = _iso(self._wall())
+        pools: dict[str, Any] = {}
+        planner_pools: dict[str, Any] = {}
+        for d in result.decisions():
+            pool = POOLS[d.pool].value
+            if d.changed:
+                # d.previous is the recorded target (else the Deployment's size)
+                pools[pool] = {"desiredReplicas": d.replicas}
+                memory.last_scale[pool] = stamp
+            entry: dict[str, Any] = {
+                "desiredReplicas": d.replicas,
+                "reason": d.reason.value,
+                "message": d.detail[:512],
+            }
+            if pool in memory.last_scale:
+                entry["lastScaleTime"] = memory.last_scale[pool]
+            if d.capacity is not None:
+                entry["capacityPerReplica"] = round(d.capacity, 3)
+            if d.slo_ratio is not None:
+                entry["sloRatio"] = round(d.slo_ratio, 3)
+            planner_pools[pool] = entry
+        active = hold_reason is None
+        message = (
+            "the planner has the metrics it needs"
+            if active
+            else f"holding replicas, not scaling on missing data: {hold_reason}"
+        )
+        conditions = self._conditions(
+            status, active, message, stamp, _int(_map(body.get("metadata")).get("generation")) or 0
+        )
+        patch: dict[str, Any] = {
+            "autoscaling": {
+                "lastTickTime": stamp,
+                "metricsAvailable": active,
+                "pools": planner_pools,
+            },
+        }
+        if conditions is not None:
+            patch["conditions"] = conditions
+        if pools:
+            patch["pools"] = pools
+        try:
+            self.cluster.patch(
+                INFERENCE_SERVICE, namespace, name, {"status": patch}, subresource="status"
+            )
+        except Exception as exc:  # an ApiError; the next tick retries
+            from splitserve_operator.k8s import ApiError
+
+            if not isinstance(exc, ApiError):
+                raise
+            log.warning("could not write the planner's decision on %s/%s: %s", namespace, name, exc)
+            return False
+        return True
+
+    @staticmethod
+    def _conditions(
+        status: Mapping[str, Any], active: bool, message: str, stamp: str, generation: int
+    ) -> list[dict[str, Any]] | None:
+        """All conditions with ours set; None when ours is unchanged (list merge patches
+        replace the whole list, so the others are sent back as they are)."""
+        old = [c for c in status.get("conditions") or [] if isinstance(c, Mapping)]
+        value = "True" if active else "False"
+        reason = REASON_ACTIVE if active else REASON_HOLDING
+        mine = next((c for c in old if c.get("type") == CONDITION), None)
+        if mine is not None and mine.get("status") == value and mine.get("message") == message:
+            return None
+        since = stamp
+        if mine is not None and mine.get("status") == value:
+            since = str(mine.get("lastTransitionTime") or stamp)
+        new = {
+            "type": CONDITION,
+            "status": value,
+            "reason": reason,
+            "message": message[:1024],
+            "lastTransitionTime": since,
+            "observedGeneration": generation,
+        }
+        return [dict(c) for c in old if c.get("type") != CONDITION] + [new]
+
+    def _events(
+        self, body: Mapping[str, Any], result: Plan, memory: _Memory, hold_reason: str | None
+    ) -> None:
+        active = hold_reason is None
+        was = memory.scaling_active
+        memory.scaling_active = active
+        if not self._record_events:
+            return
+        if not active and was is not False:
+            self.cluster.event(
+                body,
+                "Warning",
+                REASON_HOLDING,
+                f"holding replicas, not scaling on missing data: {hold_reason}",
+            )
+        elif active and was is False:
+            self.cluster.event(body, "Normal", REASON_ACTIVE, "metrics are back; planning again")
+        for d in result.decisions():
+            if d.changed:
+                self.cluster.event(body, "Normal", _event_reason(d), _event_message(d))
+
+
+def _event_reason(d: PoolDecision) -> str:
+    return EVENT_SCALED_UP if d.direction is Direction.UP else EVENT_SCALED_DOWN
+
+
+def _event_message(d: PoolDecision) -> str:
+    return f"{d.pool.value} {d.previous} -> {d.replicas}: {d.reason.value}: {d.detail}"
+
+
+def install(registry: kopf.OperatorRegistry, autoscaler: Autoscaler) -> None:
+    """Registers the autoscaling timer and the metrics endpoint on ``registry``."""
+    import kopf
+
+    from splitserve_operator.render.names import GROUP, PLURAL, VERSION
+
+    def enabled(body: Mapping[str, Any], **_: Any) -> bool:
+        # From the raw body: kopf's `spec` view raises on a spec that is not an object.
+        return bool(_map(_map(_map(body).get("spec")).get("autoscaling")).get("enabled"))
+
+    @kopf.on.startup(registry=registry)
+    def start_autoscaler_metrics(**_: Any) -> None:
+        autoscaler.start_metrics_server()
+
+    @kopf.on.cleanup(registry=registry)
+    def stop_autoscaler(**_: Any) -> None:
+        autoscaler.close()
+
+    @kopf.timer(  # type: ignore[arg-type]
+        GROUP,
+        VERSION,
+        PLURAL,
+        interval=autoscaler.config.resolution_s,
+        when=enabled,  # type: ignore[arg-type]
+        registry=registry,
+    )
+    def autoscale(body: kopf.Body, **_: Any) -> None:
+        autoscaler.tick(dict(body))

@@ -1,0 +1,483 @@
+"""splitserve's four dashboards: service overview, pools, KV transfer, planner.
+
+Every query is built from the metric names in :mod:`splitserve_worker.metrics.names`
+and the same series selector the planner uses
+(:data:`splitserve_operator.prometheus.DEFAULT_SELECTOR`), so a dashboard shows
+what the planner sees. A test runs each query against a live Prometheus fed by
+real workers.
+"""
+
+from __future__ import annotations
+
+import splitserve_worker.metrics.names as n
+from prometheus_client.utils import floatToGoString
+
+from splitserve_operator.dashboards.grafana import Dashboard, Panel, Row, Target, Variable
+from splitserve_operator.prometheus import DEFAULT_SELECTOR
+
+RATE = "$__rate_interval"
+WORKERS = DEFAULT_SELECTOR.format(namespace="$namespace", name="$service")
+"""Worker and router series of the chosen InferenceService."""
+OPERATOR = 'namespace="$namespace",service="$service"'
+"""The operator's series about the chosen InferenceService (its own labels)."""
+BY_ROLE = "role"
+QUANTILES = (0.5, 0.9, 0.99)
+SLO_BUCKETS = tuple(floatToGoString(b) for b in n.LATENCY_BUCKETS)
+"""Histogram ``le`` values as prometheus_client writes them ("1.0", "0.05")."""
+
+
+def match(label: str, value: str, op: str = "=") -> str:
+    """One PromQL label matcher, ``label="value"``."""
+    return label + op + '"' + value + '"'
+
+
+def _sel(base: str, extra: str = "") -> str:
+    return "{" + ",".join(p for p in (base, extra) if p) + "}"
+
+
+def quantile(spec: n.MetricSpec, q: float, by: str = "", extra: str = "") -> str:
+    group = f"le, {by}" if by else "le"
+    return (
+        f"histogram_quantile({q:g}, sum by ({group}) "
+        f"(rate({spec.name}_bucket{_sel(WORKERS, extra)}[{RATE}])))"
+    )
+
+
+def rate(spec: n.MetricSpec, by: str = "", extra: str = "", base: str = WORKERS) -> str:
+    group = f" by ({by})" if by else ""
+    return f"sum{group} (rate({spec.name}{_sel(base, extra)}[{RATE}]))"
+
+
+def gauge(spec: n.MetricSpec, by: str = "", extra: str = "", base: str = WORKERS) -> str:
+    group = f" by ({by})" if by else ""
+    return f"sum{group} ({spec.name}{_sel(base, extra)})"
+
+
+def attainment(spec: n.MetricSpec, slo_var: str) -> str:
+    """Fraction of requests at or under the SLO bucket chosen in ``slo_var``."""
+    return (
+        f"sum(rate({spec.name}_bucket{_sel(WORKERS, match('le', '$' + slo_var))}[{RATE}])) / "
+        f"sum(rate({spec.name}_count{_sel(WORKERS)}[{RATE}]))"
+    )
+
+
+def slo_line(objective: str) -> Target:
+    return Target(f"max({n.SLO_TARGET.name}{_sel(OPERATOR, match('objective', objective))})", "SLO")
+
+
+VARIABLES = (
+    Variable("datasource", "Prometheus", kind="datasource"),
+    Variable(
+        "namespace",
+        "Namespace",
+        f"label_values({n.REPLICAS_DESIRED.name}, namespace)",
+        description="Namespace of the InferenceService",
+    ),
+    Variable(
+        "service",
+        "InferenceService",
+        f'label_values({n.REPLICAS_DESIRED.name}{{namespace="$namespace"}}, service)',
+    ),
+)
+SLO_VARIABLES = (
+    Variable(
+        "ttft_slo",
+        "TTFT SLO (s)",
+        kind="custom",
+        options=("1.0", *(b for b in SLO_BUCKETS if b != "1.0")),
+        description="A histogram bucket bound: attainment counts requests at or under it",
+    ),
+    Variable(
+        "tpot_slo",
+        "TPOT SLO (s)",
+        kind="custom",
+        options=("0.05", *(b for b in SLO_BUCKETS if b != "0.05")),
+        description="A histogram bucket bound: attainment counts requests at or under it",
+    ),
+)
+
+
+def _latency_panel(title: str, spec: n.MetricSpec, objective: str) -> Panel:
+    return Panel(
+        title,
+        (
+            *(Target(quantile(spec, q), f"p{q * 100:g}") for q in QUANTILES),
+            slo_line(objective),
+        ),
+        unit="s",
+        description=f"{spec.help} Percentiles over the rate window, with the SLO.",
+    )
+
+
+def overview() -> Dashboard:
+    ttft_ok = attainment(n.TTFT, "ttft_slo")
+    tpot_ok = attainment(n.TPOT, "tpot_slo")
+    requests = rate(n.REQUESTS)
+    return Dashboard(
+        uid="splitserve-overview",
+        title="splitserve / Service overview",
+        description="Latency percentiles against the SLO, throughput and goodput.",
+        variables=(*VARIABLES, *SLO_VARIABLES),
+        links=("splitserve-pools", "splitserve-planner"),
+        rows=(
+            Row(
+                "Now",
+                (
+                    Panel(
+                        "TTFT p90", (Target(quantile(n.TTFT, 0.9)),), "s", "stat", width=6, height=4
+                    ),
+                    Panel(
+                        "TPOT p90", (Target(quantile(n.TPOT, 0.9)),), "s", "stat", width=6, height=4
+                    ),
+                    Panel("Requests/s", (Target(requests),), "reqps", "stat", width=6, height=4),
+                    Panel(
+                        "SLO attainment",
+                        (Target(f"({ttft_ok}) * ({tpot_ok})"),),
+                        "percentunit",
+                        "stat",
+                        width=6,
+                        height=4,
+                        min=0,
+                        max=1,
+                        thresholds=((0, "red"), (0.9, "orange"), (0.99, "green")),
+                    ),
+                ),
+            ),
+            Row(
+                "Latency against the SLO",
+                (
+                    _latency_panel("Time to first token", n.TTFT, "ttft"),
+                    _latency_panel("Time per output token", n.TPOT, "tpot"),
+                    Panel(
+                        "End-to-end latency",
+                        tuple(Target(quantile(n.E2E, q), f"p{q * 100:g}") for q in QUANTILES),
+                        "s",
+                    ),
+                    Panel(
+                        "SLO attainment",
+                        (
+                            Target(ttft_ok, "TTFT <= $ttft_slo s"),
+                            Target(tpot_ok, "TPOT <= $tpot_slo s"),
+                        ),
+                        "percentunit",
+                        min=0,
+                        max=1,
+                        description="Fraction of requests within each objective (by histogram "
+                        "bucket: choose the SLO among the bucket bounds above).",
+                    ),
+                ),
+            ),
+            Row(
+                "Throughput and goodput",
+                (
+                    Panel(
+                        "Requests by outcome",
+                        (Target(rate(n.REQUESTS, "outcome"), "{{outcome}}"),),
+                        "reqps",
+                        stack=True,
+                    ),
+                    Panel(
+                        "Goodput",
+                        (
+                            Target(requests, "throughput"),
+                            Target(f"{requests} * ({ttft_ok}) * ({tpot_ok})", "goodput"),
+                        ),
+                        "reqps",
+                        description="Requests/s meeting both SLOs, estimated as throughput x "
+                        "TTFT attainment x TPOT attainment.",
+                    ),
+                    Panel(
+                        "Tokens",
+                        (
+                            Target(rate(n.PROMPT_TOKENS), "prompt"),
+                            Target(rate(n.GENERATION_TOKENS), "generated"),
+                        ),
+                        "short",
+                        description="Tokens per second.",
+                    ),
+                    Panel(
+                        "Disaggregation decisions",
+                        (Target(rate(n.DISAGG_DECISIONS, "decision"), "{{decision}}"),),
+                        "reqps",
+                        stack=True,
+                    ),
+                ),
+            ),
+        ),
+    )
+
+
+def pools() -> Dashboard:
+    kv_used = gauge(n.KV_BLOCKS_USED, BY_ROLE)
+    kv_free = gauge(n.KV_BLOCKS_FREE, BY_ROLE)
+    return Dashboard(
+        uid="splitserve-pools",
+        title="splitserve / Pools",
+        description="Prefill and decode pools: replicas, queues, batches, KV cache, GPUs.",
+        variables=VARIABLES,
+        links=("splitserve-overview",),
+        rows=(
+            Row(
+                "Replicas",
+                (
+                    Panel(
+                        "Replicas desired and ready",
+                        (
+                            Target(
+                                gauge(n.REPLICAS_DESIRED, "pool", base=OPERATOR), "{{pool}} desired"
+                            ),
+                            Target(
+                                gauge(n.REPLICAS_READY, "pool", base=OPERATOR), "{{pool}} ready"
+                            ),
+                        ),
+                        "short",
+                        width=24,
+                    ),
+                ),
+            ),
+            Row(
+                "Queues and batches",
+                (
+                    Panel(
+                        "Router queues",
+                        (
+                            Target(gauge(n.PREFILL_QUEUE), "prefill"),
+                            Target(gauge(n.DECODE_QUEUE), "decode"),
+                        ),
+                        "short",
+                        description="Requests waiting for a worker.",
+                    ),
+                    Panel(
+                        "Waiting inside workers",
+                        (Target(gauge(n.WAITING, BY_ROLE), "{{role}}"),),
+                        "short",
+                    ),
+                    Panel(
+                        "Running sequences",
+                        (Target(gauge(n.RUNNING, BY_ROLE), "{{role}}"),),
+                        "short",
+                    ),
+                    Panel(
+                        "Worker tokens/s",
+                        (
+                            Target(rate(n.WORKER_PREFILL_TOKENS, BY_ROLE), "{{role}} prefill"),
+                            Target(rate(n.WORKER_DECODE_TOKENS, BY_ROLE), "{{role}} decode"),
+                        ),
+                        "short",
+                    ),
+                ),
+            ),
+            Row(
+                "KV cache",
+                (
+                    Panel(
+                        "KV cache used",
+                        (Target(f"{kv_used} / ({kv_used} + {kv_free})", "{{role}}"),),
+                        "percentunit",
+                        min=0,
+                        max=1,
+                        thresholds=((0, "green"), (0.9, "red")),
+                    ),
+                    Panel(
+                        "Prefix cache hit rate",
+                        (
+                            Target(
+                                f"{rate(n.PREFIX_HITS, BY_ROLE)} / "
+                                f"{rate(n.PREFIX_QUERIES, BY_ROLE)}",
+                                "{{role}}",
+                            ),
+                        ),
+                        "percentunit",
+                        min=0,
+                        max=1,
+                    ),
+                ),
+            ),
+            Row(
+                "GPUs",
+                (
+                    Panel(
+                        "GPU utilisation",
+                        (
+                            Target(
+                                f"{n.GPU_UTILIZATION.name}{_sel(WORKERS)}", "{{pod}} gpu {{gpu}}"
+                            ),
+                        ),
+                        "percentunit",
+                        min=0,
+                        max=1,
+                    ),
+                    Panel(
+                        "GPU memory used",
+                        (
+                            Target(
+                                f"{n.GPU_MEMORY_USED.name}{_sel(WORKERS)}", "{{pod}} gpu {{gpu}}"
+                            ),
+                        ),
+                        "bytes",
+                    ),
+                ),
+            ),
+            Row(
+                "Router",
+                (
+                    Panel(
+                        "Retries and migrations",
+                        (Target(rate(n.ROUTER_RETRIES, "reason"), "{{reason}}"),),
+                        "reqps",
+                        width=24,
+                    ),
+                ),
+            ),
+        ),
+    )
+
+
+def kv_transfer() -> Dashboard:
+    by = "backend"
+    return Dashboard(
+        uid="splitserve-kv-transfer",
+        title="splitserve / KV transfer",
+        description="KV cache moved from prefill to decode workers, per backend.",
+        variables=VARIABLES,
+        links=("splitserve-overview",),
+        rows=(
+            Row(
+                "Transfers",
+                (
+                    Panel(
+                        "Bytes/s",
+                        (
+                            Target(
+                                rate(n.KV_TRANSFER_BYTES, "backend, direction"),
+                                "{{backend}} {{direction}}",
+                            ),
+                        ),
+                        "Bps",
+                    ),
+                    Panel(
+                        "Transfer duration",
+                        tuple(
+                            Target(
+                                quantile(n.KV_TRANSFER_DURATION, q, by),
+                                f"{{{{backend}}}} p{q * 100:g}",
+                            )
+                            for q in QUANTILES
+                        ),
+                        "s",
+                    ),
+                    Panel(
+                        "Transfers/s",
+                        (
+                            Target(
+                                f"sum by (backend) (rate({n.KV_TRANSFER_DURATION.name}_count"
+                                f"{_sel(WORKERS)}[{RATE}]))",
+                                "{{backend}}",
+                            ),
+                        ),
+                        "ops",
+                    ),
+                    Panel(
+                        "Failures",
+                        (
+                            Target(
+                                rate(n.KV_TRANSFER_FAILURES, "backend, reason"),
+                                "{{backend}} {{reason}}",
+                            ),
+                        ),
+                        "ops",
+                        thresholds=((0, "green"), (0.001, "red")),
+                    ),
+                    Panel(
+                        "Mean bytes per transfer",
+                        (
+                            Target(
+                                f"{rate(n.KV_TRANSFER_BYTES, by, match('direction', 'sent'))} / "
+                                f"sum by (backend) (rate({n.KV_TRANSFER_DURATION.name}_count"
+                                f"{_sel(WORKERS)}[{RATE}]))",
+                                "{{backend}}",
+                            ),
+                        ),
+                        "bytes",
+                        width=24,
+                    ),
+                ),
+            ),
+        ),
+    )
+
+
+def planner() -> Dashboard:
+    return Dashboard(
+        uid="splitserve-planner",
+        title="splitserve / Planner",
+        description="What the SLO-driven planner saw and decided, per pool.",
+        variables=VARIABLES,
+        links=("splitserve-overview", "splitserve-pools"),
+        rows=(
+            Row(
+                "Decisions",
+                (
+                    Panel(
+                        "Replicas desired and ready",
+                        (
+                            Target(
+                                gauge(n.REPLICAS_DESIRED, "pool", base=OPERATOR), "{{pool}} desired"
+                            ),
+                            Target(
+                                gauge(n.REPLICAS_READY, "pool", base=OPERATOR), "{{pool}} ready"
+                            ),
+                        ),
+                        "short",
+                    ),
+                    Panel(
+                        "Scaling decisions",
+                        (
+                            Target(
+                                f"sum by (pool, direction) (increase("
+                                f"{n.PLANNER_DECISIONS.name}"
+                                f"{_sel(OPERATOR, match('direction', 'hold', '!='))}[{RATE}]))",
+                                "{{pool}} {{direction}}",
+                            ),
+                        ),
+                        "short",
+                        description="Scale-ups and scale-downs per pool.",
+                    ),
+                    Panel(
+                        "Latency over SLO, as the planner saw it",
+                        (Target(gauge(n.PLANNER_SLO_RATIO, "pool", base=OPERATOR), "{{pool}}"),),
+                        "short",
+                        thresholds=((0, "green"), (1.0, "red")),
+                        description="prefill: TTFT / SLO; decode: TPOT / SLO. Above 1 breaks "
+                        "the SLO; below 0.7 a pool may shrink.",
+                    ),
+                    Panel(
+                        "Learned capacity per replica",
+                        (Target(gauge(n.PLANNER_CAPACITY, "pool", base=OPERATOR), "{{pool}}"),),
+                        "short",
+                        description="prefill: prompt tokens/s; decode: generated "
+                        "tokens/s per replica.",
+                    ),
+                    Panel(
+                        "Metrics available",
+                        (Target(gauge(n.PLANNER_METRICS_AVAILABLE, base=OPERATOR), "available"),),
+                        "short",
+                        min=0,
+                        max=1,
+                        width=24,
+                        thresholds=((0, "red"), (1, "green")),
+                        description="0: the planner holds replicas for lack of metrics.",
+                    ),
+                ),
+            ),
+        ),
+    )
+
+
+DASHBOARDS = {
+    "overview.json": overview,
+    "pools.json": pools,
+    "kv-transfer.json": kv_transfer,
+    "planner.json": planner,
+}
+"""File name in ``charts/splitserve/dashboards/`` -> builder."""

@@ -1,0 +1,284 @@
+"""The whole loop on real parts: real worker and router processes under load, the real
+Prometheus scraping them every second, and the real operator (kopf, the official
+client) against the Kubernetes API emulator. The decode pool scales up when TPOT
+breaks the SLO and back down when the load stops, from what Prometheus shows (the
+test injects no metric). Then every dashboard query runs against that Prometheus.
+
+The only stand-in is the Deployment controller: the emulator has none, so a thread
+here marks a Deployment's replicas ready as soon as it asks for them. The worker
+processes themselves do not multiply; the planner's decision is what is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from splitserve_operator.autoscale import AutoscaleConfig
+from splitserve_operator.dashboards import build_all, expressions
+from splitserve_operator.k8s import DEPLOYMENT, INFERENCE_SERVICE, KubeClient
+from splitserve_operator.planner import PlannerConfig
+from splitserve_worker.metrics.names import exported_series_names
+
+sys.path.insert(0, str(Path(__file__).parent))
+from prom_fixture import PrometheusServer, ScrapeTarget, free_port, prometheus  # noqa: F401
+from prom_stack import LiveStack, Load
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+NAMESPACE, NAME = "default", "demo"
+LABELS = {"namespace": NAMESPACE, "inferenceservice": NAME}
+TPOT_P90 = (
+    "histogram_quantile(0.9, sum by (le) (rate("
+    f'splitserve_time_per_output_token_seconds_bucket{{inferenceservice="{NAME}"}}[10s])))'
+)
+LIGHT, HEAVY = 1, 16
+"""Concurrent streaming clients in the light and the heavy phase."""
+CALIBRATION_S = 12.0
+SLO_POSITION = 0.6
+"""Where the TPOT SLO sits between the light and heavy p90, on a log scale: light
+load runs at (light/heavy)^0.6 of it, heavy load at (heavy/light)^0.4 of it."""
+PLANNER = PlannerConfig(down_stabilization_s=10, cooldown_after_up_s=15, cooldown_after_down_s=5)
+METRIC = re.compile(r"\b(splitserve_[a-z0-9_]+)\b")
+
+
+@pytest.fixture(scope="module")
+def stack(
+    tiny_model_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    prometheus: PrometheusServer,  # noqa: F811
+) -> Iterator[LiveStack]:
+    live = LiveStack(tiny_model_path, tmp_path_factory.mktemp("stack"), LABELS)
+    try:
+        live.start()
+        prometheus.set_targets(live.targets())
+        prometheus.wait_for(
+            f'count(up{{inferenceservice="{NAME}"}} == 1)', lambda v: v == 3, timeout_s=60
+        )
+        yield live
+    finally:
+        live.stop()
+
+
+def _measure(prometheus: PrometheusServer, stack: LiveStack, clients: int) -> float:  # noqa: F811
+    with Load(stack.base_url, clients) as load:
+        time.sleep(CALIBRATION_S)
+        value = prometheus.value(TPOT_P90)
+    assert not load.errors, load.errors[:3]
+    assert value is not None, "no TPOT reading under load"
+    return value
+
+
+class ReadyMirror:
+    """The Deployment controller the emulator lacks: ready = asked, at once."""
+
+    def __init__(self, client: KubeClient, names: list[str]) -> None:
+        self.client = client
+        self.names = names
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            for name in self.names:
+                d = self.client.get(DEPLOYMENT, NAMESPACE, name)
+                if d is None:
+                    continue
+                want = d["spec"].get("replicas", 1)
+                if (d.get("status") or {}).get("readyReplicas") == want:
+                    continue
+                status = {
+                    "observedGeneration": d["metadata"].get("generation"),
+                    "replicas": want,
+                    "readyReplicas": want,
+                    "updatedReplicas": want,
+                    "availableReplicas": want,
+                }
+                self.client.patch(
+                    DEPLOYMENT, NAMESPACE, name, {"status": status}, subresource="status"
+                )
+
+    def __enter__(self) -> ReadyMirror:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def _start(
+    start_operator: Callable[..., Any],
+    kube_client: KubeClient,
+    inference_service: Callable[..., dict[str, Any]],
+    prometheus: PrometheusServer,  # noqa: F811
+    stack: LiveStack,
+    tpot_slo: float,
+) -> None:
+    """The operator with a fast planner, its /metrics scraped, and the service created."""
+    port = free_port()
+    start_operator(
+        autoscale=AutoscaleConfig(
+            resolution_s=1.0,
+            window_s=10.0,
+            fast_window_s=5.0,
+            metrics_port=port,
+            metrics_host="127.0.0.1",
+            planner=PLANNER,
+        )
+    )
+    prometheus.set_targets([*stack.targets(), ScrapeTarget(f"127.0.0.1:{port}", {})])
+    kube_client.create(
+        inference_service(
+            NAME,
+            NAMESPACE,
+            prefill={"replicas": 1, "gpus": 0},
+            decode={"replicas": 1, "gpus": 0},
+            slo={"ttftSeconds": 30.0, "tpotSeconds": tpot_slo, "percentile": 0.9},
+            autoscaling={
+                "enabled": True,
+                "prometheusUrl": prometheus.url,
+                "intervalSeconds": 5,
+                "prefill": {"minReplicas": 1, "maxReplicas": 2},
+                "decode": {"minReplicas": 1, "maxReplicas": 4},
+            },
+        )
+    )
+
+
+def _status(kube_client: KubeClient) -> dict[str, Any]:
+    body = kube_client.get(INFERENCE_SERVICE, NAMESPACE, NAME)
+    return (body or {}).get("status") or {}
+
+
+def _decode_target(kube_client: KubeClient) -> int | None:
+    return ((_status(kube_client).get("pools") or {}).get("decode") or {}).get("desiredReplicas")
+
+
+def _planner(kube_client: KubeClient) -> dict[str, Any]:
+    return ((_status(kube_client).get("autoscaling") or {}).get("pools") or {}).get("decode") or {}
+
+
+def _scaling_active(kube_client: KubeClient) -> bool:
+    return any(
+        c["type"] == "ScalingActive" and c["status"] == "True"
+        for c in _status(kube_client).get("conditions") or []
+    )
+
+
+def _events(kube: Any, reason: str) -> list[str]:
+    return [
+        e["message"]
+        for e in kube.objects("v1/events", NAMESPACE)
+        if e.get("reason") == reason and e["involvedObject"]["name"] == NAME
+    ]
+
+
+def test_decode_scales_up_when_tpot_breaks_the_slo_and_down_when_load_stops(
+    stack: LiveStack,
+    prometheus: PrometheusServer,  # noqa: F811
+    kube: Any,
+    kube_client: KubeClient,
+    start_operator: Callable[..., Any],
+    inference_service: Callable[..., dict[str, Any]],
+    wait_for: Callable[..., Any],
+) -> None:
+    # Calibrate on this machine: TPOT p90 with 1 and with 16 concurrent streams.
+    light = _measure(prometheus, stack, LIGHT)
+    heavy = _measure(prometheus, stack, HEAVY)
+    assert heavy >= 1.5 * light, f"16 streams ({heavy:.4f}s) barely slower than 1 ({light:.4f}s)"
+    slo = light * (heavy / light) ** SLO_POSITION
+
+    with ReadyMirror(kube_client, [f"{NAME}-prefill", f"{NAME}-decode"]):
+        # Light load: the SLO holds and the decode pool stays at one replica.
+        with Load(stack.base_url, LIGHT):
+            time.sleep(CALIBRATION_S)  # the window no longer holds the heavy calibration
+            _start(start_operator, kube_client, inference_service, prometheus, stack, slo)
+            wait_for(lambda: _scaling_active(kube_client), timeout=60, message="planner active")
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                assert _decode_target(kube_client) == 1, _planner(kube_client)
+                time.sleep(0.5)
+
+        # Heavy load: TPOT breaks the SLO, the decode pool grows.
+        ratios: list[float] = []
+
+        def grew() -> bool:
+            ratio = _planner(kube_client).get("sloRatio")
+            if ratio is not None:
+                ratios.append(ratio)
+            return (_decode_target(kube_client) or 0) >= 2
+
+        with Load(stack.base_url, HEAVY) as load:
+            wait_for(grew, timeout=90, interval=0.5, message="decode scaled up")
+            up = _planner(kube_client)
+            wait_for(
+                lambda: (
+                    (kube_client.get(DEPLOYMENT, NAMESPACE, f"{NAME}-decode") or {})
+                    .get("spec", {})
+                    .get("replicas", 0)
+                    >= 2
+                ),
+                timeout=30,
+                message="the Deployment follows the planner",
+            )
+        assert not load.errors, load.errors[:3]
+        assert max(ratios) > 1.0, f"scaled up without a TPOT breach: ratios {ratios}, {up}"
+        assert up["reason"] in {"SLOBreach", "DemandAboveCapacity", "KVPressure", "QueueBacklog"}
+        assert any(m.startswith("decode 1 -> ") for m in _events(kube, "ScaledUp"))
+        peak = _decode_target(kube_client)
+
+        # Load stops: the pool goes back to its minimum.
+        wait_for(lambda: _decode_target(kube_client) == 1, timeout=120, message="decode back to 1")
+        assert _planner(kube_client)["reason"] == "Idle"
+        assert any(m.startswith(f"decode {peak} -> ") for m in _events(kube, "ScaledDown"))
+        assert _scaling_active(kube_client)
+
+
+def test_every_dashboard_query_runs_against_live_prometheus(
+    stack: LiveStack,
+    prometheus: PrometheusServer,  # noqa: F811
+    kube_client: KubeClient,
+    start_operator: Callable[..., Any],
+    inference_service: Callable[..., dict[str, Any]],
+    wait_for: Callable[..., Any],
+) -> None:
+    _start(start_operator, kube_client, inference_service, prometheus, stack, 0.05)
+    with ReadyMirror(kube_client, [f"{NAME}-prefill", f"{NAME}-decode"]), Load(stack.base_url, 4):
+        wait_for(lambda: _scaling_active(kube_client), timeout=60, message="planner active")
+        prometheus.wait_for(
+            f'splitserve_pool_replicas_desired{{service="{NAME}",pool="decode"}}', timeout_s=30
+        )
+        time.sleep(5)
+        names_now = prometheus.query('group by (__name__) ({__name__=~"splitserve_.+"})')
+        present = {r["metric"]["__name__"] for r in names_now["data"]["result"]}
+        exported = exported_series_names()
+        values = {
+            "namespace": NAMESPACE, "service": NAME, "__rate_interval": "1m",
+            "ttft_slo": "1.0", "tpot_slo": "0.05",
+        }  # fmt: skip
+        checked = empty = 0
+        for file, model in build_all().items():
+            for title, expr in expressions(model):
+                query = re.sub(r"\$(\w+)", lambda m: values[m.group(1)], expr)
+                named = set(METRIC.findall(expr))
+                assert named <= exported, f"{file} / {title} names {named - exported}"
+                answer = prometheus.query(query)
+                assert answer.get("status") == "success", f"{file} / {title}: {answer}"
+                checked += 1
+                if named <= present:
+                    result = answer["data"]["result"]
+                    assert result, f"{file} / {title}: no data although {named} exist: {query}"
+                else:
+                    empty += 1  # e.g. GPU series on a CPU host, KV failures that never happened
+        assert checked > 30
+        assert empty < checked / 3, json.dumps(sorted(exported - present))
+        # what the workers and router export is a subset of what the code declares
+        assert present <= exported, sorted(present - exported)

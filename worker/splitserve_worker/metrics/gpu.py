@@ -1,0 +1,108 @@
+"""GPU utilisation and memory through NVML (``nvidia-ml-py``, module ``pynvml``).
+
+Where there is no GPU, no driver or no ``pynvml``, the collector exports
+nothing and never raises: a CPU-only worker serves the same ``/metrics``
+without the GPU series. NVML is asked at scrape time, so the numbers are as
+fresh as the scrape.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from splitserve_worker.metrics.names import GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION
+
+log = logging.getLogger(__name__)
+
+PERCENT = 100.0
+"""NVML reports utilisation in percent; the metric is a 0..1 ratio."""
+
+
+def _load_nvml() -> ModuleType | None:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:  # no driver, no device: a normal CPU host
+        log.debug("NVML unavailable, GPU metrics off: %s", exc)
+        return None
+    return pynvml
+
+
+class GpuCollector(Collector):
+    """A Prometheus collector reading every visible GPU through NVML.
+
+    ``nvml`` can be passed in (tests give a fake that mirrors pynvml's API);
+    by default pynvml is loaded and initialised on first use, once.
+    """
+
+    def __init__(self, nvml: Any | None = None) -> None:
+        self._nvml = nvml
+        self._loaded = nvml is not None
+        self._lock = threading.Lock()
+
+    def _get_nvml(self) -> Any | None:
+        with self._lock:
+            if not self._loaded:
+                self._nvml = _load_nvml()
+                self._loaded = True
+            return self._nvml
+
+    @property
+    def available(self) -> bool:
+        """True when NVML answered and at least one GPU is visible."""
+        nvml = self._get_nvml()
+        if nvml is None:
+            return False
+        try:
+            return int(nvml.nvmlDeviceGetCount()) > 0
+        except nvml.NVMLError:
+            return False
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        # Registration must not touch NVML (and must not call collect()).
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        nvml = self._get_nvml()
+        if nvml is None:
+            return
+        util = GaugeMetricFamily(GPU_UTILIZATION.name, GPU_UTILIZATION.help, labels=["gpu"])
+        used = GaugeMetricFamily(GPU_MEMORY_USED.name, GPU_MEMORY_USED.help, labels=["gpu"])
+        total = GaugeMetricFamily(GPU_MEMORY_TOTAL.name, GPU_MEMORY_TOTAL.help, labels=["gpu"])
+        try:
+            count = int(nvml.nvmlDeviceGetCount())
+        except nvml.NVMLError as exc:
+            log.warning("NVML device count failed, no GPU metrics this scrape: %s", exc)
+            return
+        for index in range(count):
+            gpu = str(index)
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                rates = nvml.nvmlDeviceGetUtilizationRates(handle)
+                memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            except nvml.NVMLError as exc:
+                log.warning("NVML read of GPU %s failed, skipped this scrape: %s", gpu, exc)
+                continue
+            util.add_metric([gpu], float(rates.gpu) / PERCENT)
+            used.add_metric([gpu], float(memory.used))
+            total.add_metric([gpu], float(memory.total))
+        yield util
+        yield used
+        yield total
+
+
+def register_gpu_collector(registry: CollectorRegistry, nvml: Any | None = None) -> GpuCollector:
+    """Adds a :class:`GpuCollector` to ``registry`` and returns it (harmless without a GPU)."""
+    collector = GpuCollector(nvml)
+    registry.register(collector)
+    return collector
