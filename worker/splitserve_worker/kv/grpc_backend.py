@@ -268,6 +268,15 @@ class GrpcReceiver:
                 "checksum",
             )
         n = msg.num_tokens
+        if not (0 <= msg.layer < lease.num_layers and msg.start_token >= 0
+                and msg.start_token + max(n, 0) <= lease.num_tokens):  # fmt: skip
+            # checked before any byte is written: out-of-range indices would wrap around
+            raise TransferError(
+                f"KV layer {msg.layer} tokens {msg.start_token}+{n} of request "
+                f"{msg.request_id!r} fall outside its reservation ({lease.num_layers} layers, "
+                f"{lease.num_tokens} tokens)",
+                "shape",
+            )
         expected = 2 * n * self._pool.token_bytes
         if len(msg.data) != expected:
             raise TransferError(
