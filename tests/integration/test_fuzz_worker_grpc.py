@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+import threading
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.server.app import RunningWorker, start_worker
 from splitserve_worker.server.client import WorkerClient
@@ -144,32 +148,33 @@ def test_malformed_calls_are_refused_while_a_good_request_completes(tiny_model_p
         ]  # fmt: skip
         for what, call in bad_calls:  # made one at a time: an aio call starts when made
             await refused(call(), what)
-        # the "push no compat" call above drops the victim's lease: reserve it again
-        h = await d.reserve("victim2", 40)
-        ok = dict(request_id="victim2", lease_id=h.lease_id, compat_hash=compat.hash)
         garbage = os.urandom(token_bytes * 3 + 5)
-        push_cases: list[tuple[str, pb.KVLayer]] = [
-            ("garbage data size", pb.KVLayer(**ok, layer=0, num_tokens=3, data=garbage)),
-            ("negative layer", pb.KVLayer(**ok, layer=-1, num_tokens=1, data=b"\0" * token_bytes)),
-            ("layer past the model", pb.KVLayer(**ok, layer=99, num_tokens=1,
-                                                 data=b"\0" * token_bytes)),
-            ("negative start", pb.KVLayer(**ok, start_token=-3, num_tokens=1,
-                                          data=b"\0" * token_bytes)),
-            ("start past the reservation", pb.KVLayer(**ok, start_token=40, num_tokens=1,
-                                                      data=b"\0" * token_bytes)),
-            ("span past the reservation", pb.KVLayer(**ok, start_token=39, num_tokens=2,
-                                                     data=b"\0" * 2 * token_bytes)),
-            ("negative tokens", pb.KVLayer(**ok, num_tokens=-1, data=b"")),
-            ("huge tokens", pb.KVLayer(**ok, num_tokens=2**31 - 1, data=b"\0" * token_bytes)),
-            ("bad crc", pb.KVLayer(**ok, num_tokens=1, data=b"\0" * token_bytes, crc32=12345)),
-        ]  # fmt: skip
-        for what, msg in push_cases:
-            await refused(stub.PushKV(pushes(msg)(), metadata=MD), f"push {what}")
-            # a refused push frees the reservation; take a fresh one for the next case
-            if not (await d.health()).leases:
-                h = await d.reserve("victim2", 40)
-                ok["lease_id"] = h.lease_id
-        await d.release("victim2")
+        zero = b"\0" * token_bytes
+        push_cases: list[tuple[str, dict[str, Any]]] = [
+            ("garbage data size", dict(layer=0, num_tokens=3, data=garbage)),
+            ("negative layer", dict(layer=-1, num_tokens=1, data=zero)),
+            ("layer past the model", dict(layer=99, num_tokens=1, data=zero)),
+            ("negative start", dict(start_token=-3, num_tokens=1, data=zero)),
+            ("negative start, no tokens", dict(start_token=-1, num_tokens=0, data=b"")),
+            ("start past the reservation", dict(start_token=40, num_tokens=1, data=zero)),
+            ("span past the reservation", dict(start_token=39, num_tokens=2, data=zero * 2)),
+            ("span past the blocks", dict(start_token=47, num_tokens=2, data=zero * 2)),
+            ("negative tokens", dict(num_tokens=-1, data=b"")),
+            ("huge tokens", dict(num_tokens=2**31 - 1, data=zero)),
+            ("bad crc", dict(num_tokens=1, data=zero, crc32=12345)),
+        ]
+        for i, (what, fields) in enumerate(push_cases):
+            # each case on a reservation of its own, which the refusal frees
+            h = await d.reserve(f"victim-{i}", 40)
+            msg = pb.KVLayer(request_id=f"victim-{i}", lease_id=h.lease_id,
+                             compat_hash=compat.hash, **fields)  # fmt: skip
+            code = await refused(stub.PushKV(pushes(msg)(), metadata=MD), f"push {what}")
+            assert code is not grpc.StatusCode.NOT_FOUND, f"push {what}: {code}"
+            for _ in range(100):
+                h_now = await d.health()
+                if h_now.leases <= 1:  # only the good request's may remain
+                    break
+                await asyncio.sleep(0.02)
         gen_cases: list[tuple[str, pb.GenerateRequest]] = [
             ("out of vocab", pb.GenerateRequest(request_id="g1", prompt_token_ids=[5, 10**6],
                                                 sampling=SP)),
@@ -247,3 +252,72 @@ async def settle(c: WorkerClient, free: int, timeout: float = 15.0) -> None:
         if loop.time() > deadline:
             raise AssertionError(f"{c.address} still holds blocks: {h}")
         await asyncio.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def decode_worker(tiny_model_path: Path) -> Iterator[tuple[asyncio.AbstractEventLoop, str]]:
+    """A decode worker on its own event loop thread, for the property tests below."""
+    import torch
+
+    torch.set_num_threads(1)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    w = asyncio.run_coroutine_threadsafe(start(tiny_model_path, "decode"), loop).result(120)
+    yield loop, w.address
+    asyncio.run_coroutine_threadsafe(w.stop(0.2), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+COUNTS = st.integers(-3, 48) | st.sampled_from([2**31 - 1, -(2**31)])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+          HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(
+    layer=st.integers(-2, 6),
+    start_token=COUNTS,
+    num_tokens=COUNTS,
+    data_tokens=st.integers(0, 48),
+    extra_bytes=st.sampled_from([0, 0, 0, 1, -1, 7]),
+    crc=st.sampled_from(["right", "wrong", "none"]),
+    same_compat=st.booleans(),
+    sized=st.booleans(),
+)
+def test_any_kv_layer_is_placed_or_refused_clearly_and_never_leaks(
+    decode_worker: tuple[asyncio.AbstractEventLoop, str], layer: int, start_token: int,
+    num_tokens: int, data_tokens: int, extra_bytes: int, crc: str, same_compat: bool,
+    sized: bool,
+) -> None:  # fmt: skip
+    loop, address = decode_worker
+    if sized and 0 <= num_tokens <= 48:
+        data_tokens = num_tokens  # the payload matches the count (the near-valid cases)
+
+    async def one() -> None:
+        async with WorkerClient(address, TOKEN) as d:
+            h0 = await d.health()
+            tb = 2 * h0.compat.kv_heads * h0.compat.head_dim * 4
+            rid = f"prop-{os.urandom(4).hex()}"
+            handle = await d.reserve(rid, 40)
+            data = os.urandom(max(0, data_tokens * tb + extra_bytes))
+            msg = pb.KVLayer(request_id=rid, lease_id=handle.lease_id, layer=layer,
+                             start_token=start_token, num_tokens=num_tokens, data=data,
+                             compat_hash=h0.compat.hash if same_compat else "f" * 64)  # fmt: skip
+            if crc != "none":
+                msg.crc32 = zlib.crc32(data) ^ (0 if crc == "right" else 1)
+            valid = (same_compat and crc != "wrong" and 0 <= layer < h0.compat.num_layers
+                     and num_tokens == data_tokens and extra_bytes == 0
+                     and start_token >= 0 and start_token + num_tokens <= 40)  # fmt: skip
+            try:
+                ack = await d._stub.PushKV(pushes(msg)(), metadata=MD, timeout=10)
+            except grpc.aio.AioRpcError as e:
+                assert e.code() in CLEAR and e.details(), (e.code(), e.details())
+                assert not valid or num_tokens == 0, f"a valid span was refused: {e.details()}"
+            else:
+                assert valid, f"an invalid span was accepted: {msg.layer=} {msg.start_token=} "
+                assert ack.bytes_received == len(data)
+            await d.release(rid)
+            await settle(d, h0.total_blocks, timeout=10)
+
+    asyncio.run_coroutine_threadsafe(one(), loop).result(60)
