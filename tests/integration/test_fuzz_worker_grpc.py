@@ -219,6 +219,28 @@ def test_malformed_calls_are_refused_while_a_good_request_completes(tiny_model_p
         for what, preq in bad_prefills:
             await refused(p._stub.Prefill(preq, metadata=MD), what)
         await d.release("ph")
+        # a handle pointing nowhere: the push cannot start, the prefill worker says so
+        for nowhere in ("127.0.0.1:1", "no-such-host.invalid:7000"):
+            preq = pb.PrefillRequest(
+                request_id="nw", prompt_token_ids=[5] * 10, sampling=SP,
+                handle=pb.TransferHandle(request_id="nw", decode_address=nowhere,
+                                         num_prompt_tokens=10, compat=compat,
+                                         lease_id="x", block_ids=[0]))  # fmt: skip
+            try:
+                await p._stub.Prefill(preq, metadata=MD, timeout=60)
+                raise AssertionError(f"a push to {nowhere} succeeded")
+            except grpc.aio.AioRpcError as e:
+                assert e.code() is grpc.StatusCode.UNAVAILABLE and e.details(), (nowhere, e)
+        # reserved, never pushed: the stream ends when the lease does, with the code for it
+        await d.reserve("never", 8)
+
+        async def never() -> None:
+            req = pb.GenerateRequest(request_id="never", prompt_token_ids=[5] * 8,
+                                     sampling=SP, expect_remote_kv=True)  # fmt: skip
+            async for _ in stub.Generate(req, metadata=MD, timeout=30):
+                pass
+
+        assert await refused(never(), "never pushed") is grpc.StatusCode.DEADLINE_EXCEEDED
         # whole messages of garbage bytes
         for method in ("Reserve", "Commit", "Generate", "Release", "Cancel"):
             raw = d._channel.unary_unary(
