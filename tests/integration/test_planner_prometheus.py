@@ -204,7 +204,10 @@ def test_decode_scales_up_when_tpot_breaks_the_slo_and_down_when_load_stops(
             wait_for(lambda: _scaling_active(kube_client), timeout=60, message="planner active")
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline:
-                assert _decode_target(kube_client) == 1, _planner(kube_client)
+                # No scale-up while the SLO holds (on a machine that slows down under
+                # other work, a real breach may come, and then scaling is right).
+                seen = _planner(kube_client)
+                assert _decode_target(kube_client) == 1 or seen.get("sloRatio", 0) > 1, seen
                 time.sleep(0.5)
 
         # Heavy load: TPOT breaks the SLO, the decode pool grows.
@@ -250,9 +253,11 @@ def test_every_dashboard_query_runs_against_live_prometheus(
     inference_service: Callable[..., dict[str, Any]],
     wait_for: Callable[..., Any],
 ) -> None:
-    _start(start_operator, kube_client, inference_service, prometheus, stack, 0.05)
+    # A TPOT SLO no CPU meets: the planner scales, so its panels have data too.
+    _start(start_operator, kube_client, inference_service, prometheus, stack, 0.001)
     with ReadyMirror(kube_client, [f"{NAME}-prefill", f"{NAME}-decode"]), Load(stack.base_url, 4):
         wait_for(lambda: _scaling_active(kube_client), timeout=60, message="planner active")
+        wait_for(lambda: (_decode_target(kube_client) or 0) >= 2, timeout=60, message="a scale-up")
         prometheus.wait_for(
             f'splitserve_pool_replicas_desired{{service="{NAME}",pool="decode"}}', timeout_s=30
         )
