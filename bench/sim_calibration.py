@@ -1,22 +1,36 @@
 """The simulator, calibrated on this machine, against the real local stack.
 
-1. Measure the real engine (same model, dtype and one torch thread, as the
-   workers of ``splitserve up`` run): prefill time of single prompts at several
-   lengths, decode step time at several batch sizes; fit a
-   :class:`~splitserve_operator.sim.MeasuredCost`.
-2. Start the real stack (``splitserve up --model M --prefill 1 --decode 1``),
-   measure its fixed overheads on a few requests sent one at a time (HTTP,
-   router and gRPC on top of the engine's compute; a remote handoff on top of
-   a local prefill), then replay a Poisson workload against
-   ``/v1/completions`` with streaming, timing TTFT and TPOT per request.
+1. Time the real engine in this process (same model and dtype, one torch
+   thread, as the workers of ``splitserve up`` run): prefill of single prompts
+   at several lengths, decode steps at several batch sizes; fit a
+   :class:`~splitserve_operator.sim.MeasuredCost` (before the replay and again
+   after it; the fit uses both).
+2. Start the real stack (``splitserve up --model M --prefill 1 --decode 1``)
+   and send probes one at a time, before and after the replay: on an idle
+   stack (the router prefills them on the decode worker) and beside a
+   background decode (the router sends them to the prefill worker). What their
+   TTFT and TPOT exceed the engine's own times by is the stack's overhead
+   (router, HTTP, gRPC streaming), and what a remote handoff adds. Replay a
+   Poisson workload against ``/v1/completions`` with streaming, timing TTFT
+   and TPOT per request.
 3. Simulate the same workload (same arrival times and lengths) with the
-   measured costs and overheads, the router's local-or-remote prefill rule
-   (``SimConfig.local_prefill``), and compare the p90s.
+   engine's costs plus those overheads (the handoff as the link's latency)
+   and the router's local-or-remote prefill rule (``SimConfig.local_prefill``);
+   compare the p90s.
 
-Nothing in step 3 is fitted to the workload's own timings: the costs come from
-step 1 and the overheads from the idle probes of step 2.
+Nothing in step 3 is fitted to the workload's own timings: the costs come
+from step 1 and the overheads from the probes.
 
-    .venv/bin/python bench/sim_calibration.py [--model tiny|smollm2-135m|PATH] [--requests 40]
+Noise: these shared two-core machines carry other sessions' load (load
+averages of 7-12 were seen), which moves the engine's speed by 2-3x within
+minutes; timing the engine before and after the replay averages some of it
+out. A CPU gauge (a fixed numpy job timed every 0.5 s in its own process) is
+printed to show how far the machine's speed moved during the replay. Tried
+and dropped: rescaling costs by the gauge, timing the engine beside a process
+keeping one core busy, and scaling costs by the probes instead of adding
+overheads; each made some runs much worse.
+
+    .venv/bin/python bench/sim_calibration.py [--model tiny|smollm2-135m|PATH] [--requests 100]
 
 The default model is a small random Llama made here (8 layers, hidden 256):
 big enough that compute shows, small enough for two busy cores. The built-in
@@ -69,60 +83,57 @@ GRPC_LOOPBACK_BYTES_PER_S = 1.7e9
 # ---------------------------------------------------------------- CPU weather
 
 
+GAUGE_CODE = """
+import sys, time
+import numpy as np
+a = np.random.default_rng(0).standard_normal((160, 160))
+interval = float(sys.argv[1])
+while True:
+    t0 = time.monotonic()
+    x = a
+    for _ in range(8):
+        x = np.tanh(x @ a)
+    t1 = time.monotonic()
+    print(f"{t0:.4f} {t1 - t0:.6f}", flush=True)
+    time.sleep(interval)
+"""
+
+
 class CpuGauge:
-    """How fast one thread computes right now: times a fixed small torch job every
-    ``interval_s`` in a background thread. On a shared two-core machine the other
-    load swings by several times within minutes; the ratio of the gauge during
-    the replay to the gauge while the engine was timed rescales the measured costs."""
+    """How fast one thread computes right now: a separate process times a fixed
+    small numpy job every ``interval_s`` (a diagnostic: how much the machine's
+    other load moved between timing the engine and replaying)."""
 
     def __init__(self, interval_s: float = 0.5) -> None:
-        import torch
-
-        self._a = torch.randn(192, 192)
         self.interval_s = interval_s
         self.samples: list[tuple[float, float]] = []
-        self._stop = threading.Event()
+        self._proc: subprocess.Popen[str] | None = None
         self._thread: threading.Thread | None = None
 
-    def _job(self) -> float:
-        import torch
-
-        t0 = time.perf_counter()
-        x = self._a
-        for _ in range(12):
-            x = torch.tanh(x @ self._a)
-        return time.perf_counter() - t0
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.perf_counter(), self._job()))
-            self._stop.wait(self.interval_s)
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            t, d = line.split()
+            self.samples.append((float(t), float(d)))
 
     def __enter__(self) -> CpuGauge:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
+        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", GAUGE_CODE, str(self.interval_s)],
+            stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(10)
 
     def mean(self, since: float = 0.0, until: float = float("inf")) -> float:
         xs = [d for t, d in self.samples if since <= t <= until]
         return float(np.mean(xs)) if xs else float("nan")
-
-
-def scaled(cost: MeasuredCost, k: float) -> MeasuredCost:
-    return MeasuredCost(
-        prefill_base_s=cost.prefill_base_s * k,
-        prefill_per_token_s=cost.prefill_per_token_s * k,
-        prefill_per_pair_s=cost.prefill_per_pair_s * k,
-        decode_base_s=cost.decode_base_s * k,
-        decode_per_seq_s=cost.decode_per_seq_s * k,
-        decode_per_ctx_s=cost.decode_per_ctx_s * k,
-    )
 
 
 # ---------------------------------------------------------------- 1. the engine
@@ -153,32 +164,40 @@ def measure_engine(model: str, seed: int) -> tuple[list, list, int]:
     def prompt(n: int) -> list[int]:
         return [rng.randrange(100, vocab) for _ in range(n)]
 
-    def run(prompts: list[list[int]], new_tokens: int) -> list[float]:
-        """Step until done; returns the time of each step that produced tokens."""
+    def run(prompts: list[list[int]], new_tokens: int) -> list[tuple[bool, float]]:
+        """Step until done; returns (pure decode?, seconds) of each step that produced
+        tokens. A step is pure decode when every request already had its first token
+        (a batch of prompts larger than ``max_batch_tokens`` prefills over several steps)."""
         sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-        for p in prompts:
-            engine.add_request(f"r{next(ids)}", p, sp)
+        names = [f"r{next(ids)}" for _ in prompts]
+        for name, p in zip(names, prompts, strict=True):
+            engine.add_request(name, p, sp)
+        seen: set[str] = set()
         times = []
         while engine.has_work():
+            decoding = len(seen) == len(names)
             t0 = time.perf_counter()
             out = engine.step()
             if out:
-                times.append(time.perf_counter() - t0)
+                times.append((decoding, time.perf_counter() - t0))
+                seen.update(o.request_id for o in out)
         return times
 
     run([prompt(32)], 4)  # warm up
     pre: list[tuple[int, float]] = []
     for n in (16, 64, 128, 256, 384):
         for _ in range(3):
-            pre.append((n, run([prompt(n)], 1)[0]))
+            pre.append((n, run([prompt(n)], 1)[0][1]))
     dec: list[tuple[int, float, float]] = []
     steps = 8
     for b in (1, 4, 8, 16):
         for ctx in (64, 256):
             times = run([prompt(ctx) for _ in range(b)], steps + 1)
-            # the first step prefills all b prompts; the rest decode one token each
-            for j, t in enumerate(times[1:], start=1):
-                dec.append((b, float(b * (ctx + j)), t))
+            j = 0
+            for decoding, t in times:
+                if decoding:  # every sequence decodes one token; context grows by one
+                    j += 1
+                    dec.append((b, float(b * (ctx + j)), t))
     return pre, dec, capacity
 
 
@@ -291,18 +310,29 @@ async def probe(base: str, vocab: int, seed: int) -> tuple[list[Timing], list[Ti
     return idle, remote
 
 
-def overheads(
-    idle: list[Timing], remote: list[Timing], cost: MeasuredCost
-) -> tuple[float, float, float]:
-    """What the stack adds to the engine's compute: (first-token overhead, extra per
-    decode step, extra of a remote handoff), medians, never below zero."""
+@dataclass(frozen=True)
+class Overheads:
+    """What the stack adds to the engine's own compute, from the probes (medians,
+    never below zero)."""
+
+    first_token_s: float
+    """Router, HTTP and gRPC on top of a prefill: added to every first token."""
+    decode_step_s: float
+    """Streaming each token through the worker, the router and HTTP: added to
+    every decode step."""
+    handoff_s: float
+    """What a remote prefill adds to a local one (Reserve, Prefill, the push,
+    Commit): the link's latency."""
+
+
+def overheads(idle: list[Timing], remote: list[Timing], cost: MeasuredCost) -> Overheads:
     p = PROBE_PROMPT
     prefill = cost.step_time(p, p * (p + 1) / 2, 1, 0, 0)
     step = cost.step_time(0, 0, 0, 1, p + PROBE_OUTPUT / 2)
-    ttft_over = max(0.0, float(np.median([t.ttft for t in idle])) - prefill)
-    step_over = max(0.0, float(np.median([t.tpot for t in idle])) - step)
-    handoff = max(0.0, float(np.median([t.ttft for t in remote])) - prefill - ttft_over)
-    return ttft_over, step_over, handoff
+    first = max(0.0, float(np.median([t.ttft for t in idle])) - prefill)
+    per_step = max(0.0, float(np.median([t.tpot for t in idle])) - step)
+    handoff = max(0.0, float(np.median([t.ttft for t in remote])) - prefill - first)
+    return Overheads(first, per_step, handoff)
 
 
 async def replay(base: str, w: Workload, prompts: list[list[int]]) -> list[Timing]:
@@ -329,14 +359,13 @@ def simulate(
     w: Workload,
     cost: MeasuredCost,
     capacity: int,
-    overheads: tuple[float, float, float],
+    over: Overheads,
 ) -> tuple[np.ndarray, np.ndarray, float]:
-    ttft_over, step_over, handoff = overheads
     stack_cost = MeasuredCost(
         prefill_base_s=cost.prefill_base_s,
         prefill_per_token_s=cost.prefill_per_token_s,
         prefill_per_pair_s=cost.prefill_per_pair_s,
-        decode_base_s=cost.decode_base_s + step_over,
+        decode_base_s=cost.decode_base_s + over.decode_step_s,
         decode_per_seq_s=cost.decode_per_seq_s,
         decode_per_ctx_s=cost.decode_per_ctx_s,
     )
@@ -345,12 +374,14 @@ def simulate(
         model=load_model_spec(model),
         pools={Role.PREFILL: pool, Role.DECODE: pool},
         replicas={Role.PREFILL: 1, Role.DECODE: 1},
-        link=LinkSpec("grpc-loopback", "gRPC on 127.0.0.1", GRPC_LOOPBACK_BYTES_PER_S, handoff),
+        link=LinkSpec(
+            "grpc-loopback", "gRPC on 127.0.0.1", GRPC_LOOPBACK_BYTES_PER_S, over.handoff_s
+        ),
         layerwise=True,
         chunk_size=512,  # the engine's prefill chunk while sequences decode
         max_prefill_tokens=2048,  # the engine's max_batch_tokens
         prefix_caching=False,
-        router_overhead_s=ttft_over,
+        router_overhead_s=over.first_token_s,
         local_prefill=LocalPrefill(),  # the router's defaults (RouterConfig().cost)
     )
     sim = Simulator(cfg, w)
@@ -368,7 +399,7 @@ def p90(a: np.ndarray | list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny", help="tiny, smollm2-135m or a checkpoint folder")
-    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--load", type=float, default=0.15,
                     help="offered load as a fraction of one worker's prefill capacity")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
@@ -391,9 +422,9 @@ def run(args: argparse.Namespace, tmp: str) -> None:
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     gauge = CpuGauge()
     with gauge:
-        m0 = time.perf_counter()
+        m0 = time.monotonic()
         pre, dec, capacity = measure_engine(path, args.seed)
-        m1 = time.perf_counter()
+        m1 = time.monotonic()
         gc.collect()  # the measuring engine is gone before the stack starts
         first = MeasuredCost.fit(pre, dec)
         print(f"engine ({args.model}, {THREADS} thread), measured in {m1 - m0:.0f} s: {first}")
@@ -415,37 +446,37 @@ def run(args: argparse.Namespace, tmp: str) -> None:
         print(f"workload: {n} requests at {rate:.2f} req/s, prompts 96-320, outputs 16-48 tokens")
 
         with stack(path, free_port()) as base:
-            p0 = time.perf_counter()
+            p0 = time.monotonic()
             idle, remote = asyncio.run(probe(base, vocab, args.seed + 2))
-            p1 = r0 = time.perf_counter()
+            r0 = time.monotonic()
             real = asyncio.run(replay(base, w, prompts))
-            r1 = time.perf_counter()
+            r1 = time.monotonic()
             print(f"replayed in {r1 - r0:.0f} s")
+            idle2, remote2 = asyncio.run(probe(base, vocab, args.seed + 4))
+            p1 = time.monotonic()
+            print(f"probed in {r0 - p0 + p1 - r1:.0f} s")
         # the engine again, after: fit on both, so drift in the machine's load averages out
-        m2 = time.perf_counter()
+        m2 = time.monotonic()
         pre2, dec2, _ = measure_engine(path, args.seed + 3)
-        m3 = time.perf_counter()
+        m3 = time.monotonic()
     print(f"load average {os.getloadavg()[0]:.1f}")
     measured = MeasuredCost.fit(pre + pre2, dec + dec2)
+    print(f"engine, before and after together: {measured}")
     g_measure = float(np.mean([d for t, d in gauge.samples if m0 <= t <= m1 or m2 <= t <= m3]))
-    k_probe = gauge.mean(p0, p1) / g_measure
-    k_replay = gauge.mean(r0, r1) / g_measure
     print(
-        f"CPU gauge: {g_measure * 1e3:.1f} ms while timing the engine, "
-        f"x{k_probe:.2f} while probing, x{k_replay:.2f} while replaying"
+        f"CPU gauge (how slow one thread was, vs while timing the engine): "
+        f"x{gauge.mean(p0, r0) / g_measure:.2f} while probing, "
+        f"x{gauge.mean(r0, r1) / g_measure:.2f} while replaying"
     )
-    over = overheads(idle, remote, scaled(measured, k_probe))
+    over = overheads(idle + idle2, remote + remote2, measured)
     print(
-        f"stack overheads: first token +{over[0] * 1000:.1f} ms, decode step "
-        f"+{over[1] * 1000:.1f} ms, remote handoff +{over[2] * 1000:.1f} ms"
+        f"stack overheads (probes before and after): first token "
+        f"+{over.first_token_s * 1000:.1f} ms, decode step +{over.decode_step_s * 1000:.1f} ms, "
+        f"remote handoff +{over.handoff_s * 1000:.1f} ms"
     )
-    cost = scaled(measured, k_replay)
-    overheads_replay = (over[0] * k_replay / k_probe, over[1] * k_replay / k_probe,
-                        over[2] * k_replay / k_probe)  # fmt: skip
-
     r_ttft = np.array([t.ttft for t in real])
     r_tpot = np.array([t.tpot for t in real])
-    s_ttft, s_tpot, local = simulate(path, w, cost, capacity, overheads_replay)
+    s_ttft, s_tpot, local = simulate(path, w, measured, capacity, over)
     if args.dump:
         rows = [
             {"arrival": float(w.arrival[i]), "prompt": int(w.prompt[i]), "output": int(w.output[i]),
@@ -453,7 +484,7 @@ def run(args: argparse.Namespace, tmp: str) -> None:
              "sim_ttft": float(s_ttft[i]), "sim_tpot": float(s_tpot[i])}
             for i in range(len(w))
         ]  # fmt: skip
-        Path(args.dump).write_text(json.dumps({"cost": str(cost), "overheads": over,
+        Path(args.dump).write_text(json.dumps({"cost": str(measured), "overheads": str(over),
                                                "requests": rows}, indent=1))  # fmt: skip
     print(f"simulated: {local:.0%} of prompts prefilled on the decode worker")
     print(f"{'':10}{'real p50':>10}{'sim p50':>10}{'real p90':>10}{'sim p90':>10}")
