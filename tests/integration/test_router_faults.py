@@ -18,7 +18,6 @@ import httpx
 import pytest
 from splitserve_worker.commands.up import WorkerProcs
 from splitserve_worker.router.config import (
-    CostModelConfig,
     QueueConfig,
     RouterConfig,
     TimeoutConfig,
@@ -32,7 +31,7 @@ from splitserve_worker.router.worker_client import GrpcWorkerConn
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PROMPT = [(i * 31) % 200 + 3 for i in range(40)]
-ALWAYS_REMOTE = CostModelConfig(short_prompt_tokens=0, decode_prefill_tokens_per_s=1e-3)
+ALWAYS_REMOTE = "always"  # disaggregate every request these stacks can
 # The router polls Health rarely here, so it learns of a dead worker only from a failed call.
 SLOW_HEALTH = TimeoutConfig(health_interval_s=120.0, connect_s=3.0)
 
@@ -142,7 +141,9 @@ def test_prefill_worker_killed_retries_on_another(
     st = stack_factory([Role.PREFILL, Role.PREFILL, Role.DECODE])
     dead = first_by_name(st.endpoints, Role.PREFILL)
     decode = [e for e in st.endpoints if e.role is Role.DECODE]
-    with st.router(tokenizer, st.endpoints, cost=ALWAYS_REMOTE, timeouts=SLOW_HEALTH) as base:
+    with st.router(
+        tokenizer, st.endpoints, disaggregation=ALWAYS_REMOTE, timeouts=SLOW_HEALTH
+    ) as base:
         before = st.free_blocks(decode)
         st.kill(dead)
         r = complete(base, PROMPT, 8)
@@ -214,7 +215,7 @@ def test_client_disconnect_frees_kv_on_every_worker(stack_factory: Any, tokenize
     body = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}  # fmt: skip
     with (
-        st.router(tokenizer, pd, cost=ALWAYS_REMOTE) as remote_base,
+        st.router(tokenizer, pd, disaggregation=ALWAYS_REMOTE) as remote_base,
         st.router(tokenizer, both) as local_base,
     ):
         for base in (remote_base, local_base):

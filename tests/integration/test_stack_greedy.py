@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from splitserve_worker.commands.up import WorkerProcs
-from splitserve_worker.router.config import CostModelConfig, RouterConfig
+from splitserve_worker.router.config import RouterConfig
 from splitserve_worker.router.discovery import StaticDiscovery, WorkerEndpoint
 from splitserve_worker.router.local import RouterThread
 from splitserve_worker.router.scoring import Role
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 PROMPTS = [[5, 17, 99, 3, 42], list(range(10, 50)), [(i * 7919) % 250 for i in range(100)]]
 MAX_TOKENS = 12
 
-ALWAYS_REMOTE = CostModelConfig(short_prompt_tokens=0, decode_prefill_tokens_per_s=1e-3)
+ALWAYS_REMOTE = "always"  # disaggregate every request these stacks can
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def test_greedy_tokens_equal_transformers(
     by_role = {e.role: e for e in eps}
     if stack == "disaggregated":
         rt = router(token, tokenizer, [by_role[Role.PREFILL], by_role[Role.DECODE]],
-                    cost=ALWAYS_REMOTE)  # fmt: skip
+                    disaggregation=ALWAYS_REMOTE)  # fmt: skip
     elif stack == "colocated":
         rt = router(token, tokenizer, [by_role[Role.BOTH]])
     else:
@@ -139,7 +139,7 @@ def test_chat_and_text_prompt_through_disaggregated_stack(
 ) -> None:
     token, eps = workers
     pd = [e for e in eps if e.role is not Role.BOTH]
-    with router(token, tokenizer, pd, cost=ALWAYS_REMOTE) as base:
+    with router(token, tokenizer, pd, disaggregation=ALWAYS_REMOTE) as base:
         r = httpx.post(
             f"{base}/v1/chat/completions",
             json={
@@ -184,7 +184,7 @@ def test_prefix_index_follows_the_workers_block_events(
     prefill = next(e for e in eps if e.role is Role.PREFILL)
     prompt = [(i * 13) % 200 + 7 for i in range(70)]  # 4 full blocks of 16
     hashes = block_hashes(prompt, 16)
-    rt = router(token, tokenizer, pd, cost=ALWAYS_REMOTE)
+    rt = router(token, tokenizer, pd, disaggregation=ALWAYS_REMOTE)
     with rt as base:
         assert rt.call(_match(rt, hashes)) == {}
         assert complete(base, prompt, stream=False)

@@ -88,3 +88,15 @@ def test_estimator_learns_kv_size_and_speeds() -> None:
     assert est.cost.link_bytes_per_s == pytest.approx(7.5e8)
     est.observe_prefill(tokens=0, prefill_s=0.0, bytes_sent=0, transfer_s=0.0)  # nothing to learn
     assert est.cost.prefill_tokens_per_s == pytest.approx(2000)
+
+
+def test_fixed_policies_override_the_cost_model() -> None:
+    from splitserve_worker.router.decision import Policy
+
+    short = DecisionInput(num_prompt_tokens=20)
+    assert decide(short, COST, Policy.ALWAYS).where is Where.REMOTE
+    busy = DecisionInput(num_prompt_tokens=1000, decode_running=8)
+    assert decide(busy, COST, Policy.NEVER).where is Where.LOCAL
+    # without a prefill worker even 'always' prefills locally
+    alone = DecisionInput(num_prompt_tokens=1000, prefill_available=False)
+    assert decide(alone, COST, Policy.ALWAYS).where is Where.LOCAL

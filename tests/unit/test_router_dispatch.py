@@ -15,7 +15,7 @@ import grpc
 import pytest
 from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.metrics.registry import Metrics
-from splitserve_worker.router.config import CostModelConfig, RouterConfig, TimeoutConfig
+from splitserve_worker.router.config import RouterConfig, TimeoutConfig
 from splitserve_worker.router.discovery import WorkerEndpoint
 from splitserve_worker.router.dispatch import Dispatcher, GenRequest, RequestFailed
 from splitserve_worker.router.planner import RoutePlanner
@@ -140,13 +140,13 @@ def expected(prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt) :]
 
 
-REMOTE = CostModelConfig(short_prompt_tokens=0, decode_prefill_tokens_per_s=1e-3)
+REMOTE = "always"
 
 
 async def test_prefill_failure_retries_on_another_prefill_worker_and_frees_reservation() -> None:
     p1, p2, d1 = MemWorker("p1", "prefill"), MemWorker("p2", "prefill"), MemWorker("d1", "decode")
     p1.fail_prefill = grpc.StatusCode.UNAVAILABLE
-    disp = await make([p1, p2, d1], cost=REMOTE)
+    disp = await make([p1, p2, d1], disaggregation=REMOTE)
     assert await run(disp, [1, 2, 3], 5) == expected([1, 2, 3], 5)
     assert p1.prefilled == ["r.0"] and p2.prefilled == ["r.1"]
     assert "r.0" in d1.cancelled and "r.0" in p1.cancelled  # the failed attempt is ended everywhere
@@ -193,7 +193,7 @@ async def test_bad_request_on_the_worker_is_not_retried() -> None:
 
 async def test_consumer_leaving_early_cancels_on_every_worker() -> None:
     p1, d1 = MemWorker("p1", "prefill"), MemWorker("d1", "decode")
-    disp = await make([p1, d1], cost=REMOTE)
+    disp = await make([p1, d1], disaggregation=REMOTE)
     gen = disp.generate(GenRequest("r", (1, 2, 3), Sampling(max_tokens=50)))
     async for _ in gen:
         break

@@ -156,6 +156,9 @@ class RouterConfig:
     """If set, requests need 'Authorization: Bearer <api_key>'; never printed."""
     worker_token: str | None = field(default=None, repr=False)
     """Shared secret sent to workers on every gRPC call."""
+    disaggregation: str = "auto"
+    """'auto': the cost model decides per request; 'always': remote prefill whenever a
+    prefill worker is available; 'never': prefill on the decode worker."""
     kv_backend: str = "grpc"
     """KV transport asked of decode workers on Reserve: 'grpc' or 'nixl'."""
     max_retries: int = 2
@@ -171,6 +174,10 @@ class RouterConfig:
         _positive("max_model_len", self.max_model_len)
         _positive("default_max_tokens", self.default_max_tokens)
         _non_negative("max_retries", self.max_retries)
+        if self.disaggregation not in ("auto", "always", "never"):
+            raise ConfigError(
+                f"disaggregation must be 'auto', 'always' or 'never', got {self.disaggregation!r}"
+            )
         if self.kv_backend not in ("grpc", "nixl"):
             raise ConfigError(f"kv_backend must be 'grpc' or 'nixl', got {self.kv_backend!r}")
 

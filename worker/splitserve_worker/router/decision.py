@@ -18,6 +18,17 @@ from enum import StrEnum
 from splitserve_worker.router.config import CostModelConfig
 
 
+class Policy(StrEnum):
+    """How the decision is taken: by the cost model, or fixed."""
+
+    AUTO = "auto"
+    """The cost model decides per request."""
+    ALWAYS = "always"
+    """Prefill on a prefill worker whenever one is available (benchmarks, tests)."""
+    NEVER = "never"
+    """Always prefill on the decode worker."""
+
+
 class Where(StrEnum):
     REMOTE = "remote"
     """Prefill on a prefill worker, push the KV to the decode worker."""
@@ -58,7 +69,7 @@ def transfer_exposed_s(tokens: int, cost: CostModelConfig) -> float:
     return total / cost.num_layers
 
 
-def decide(inp: DecisionInput, cost: CostModelConfig) -> Decision:
+def decide(inp: DecisionInput, cost: CostModelConfig, policy: Policy = Policy.AUTO) -> Decision:
     """Where this request's prompt should be prefilled."""
     prompt = max(0, inp.num_prompt_tokens)
     uncached_remote = max(0, prompt - inp.cached_on_prefill_tokens)
@@ -78,6 +89,10 @@ def decide(inp: DecisionInput, cost: CostModelConfig) -> Decision:
     )
     if not inp.prefill_available:
         return Decision(Where.LOCAL, "no prefill worker available", remote_s, local_s)
+    if policy is Policy.ALWAYS:
+        return Decision(Where.REMOTE, "policy: always disaggregate", remote_s, local_s)
+    if policy is Policy.NEVER:
+        return Decision(Where.LOCAL, "policy: never disaggregate", remote_s, local_s)
     if inp.decode_is_colocated:
         return Decision(Where.LOCAL, "colocated worker prefills its own prompts", remote_s, local_s)
     if uncached_local <= cost.short_prompt_tokens:

@@ -14,6 +14,7 @@ from splitserve_worker.router.decision import (
     CostEstimator,
     Decision,
     DecisionInput,
+    Policy,
     Where,
     decide,
 )
@@ -52,6 +53,7 @@ class RoutePlanner:
         self.config = config
         self.index = index if index is not None else PrefixIndex()
         self.estimator = CostEstimator(config.cost)
+        self.policy = Policy(config.disaggregation)
         pw, dw = config.prefill_weights, config.decode_weights
         self.prefill_profile: Profile = prefill_profile(pw.prefix, pw.load)
         self.decode_profile: Profile = decode_profile(dw.kv_free, dw.running, dw.prefix)
@@ -115,7 +117,7 @@ class RoutePlanner:
             prefill_available=prefill is not None,
             decode_is_colocated=d.role is Role.BOTH,
         )
-        decision = decide(inp, cost)
+        decision = decide(inp, cost, self.policy)
         return Plan(
             decode=decode,
             prefill=prefill if decision.where is Where.REMOTE else None,
