@@ -19,7 +19,9 @@ How each request is counted:
   ``--request-timeout-s``.
 
 ``rss_growth_mb``: resident memory of the router and workers summed, at the end minus
-right after the warm-up (``--warmup-s``).
+right after the warm-up. The warm-up lasts at least ``--warmup-s`` and until as many
+requests completed as there are clients (at most ``--warmup-max-s``), so the figure is
+growth under steady load, not the ramp to it.
 
     .venv/bin/python bench/load.py                       # 500 clients, 60 s
     .venv/bin/python bench/load.py --clients 50 --seconds 10
@@ -139,11 +141,11 @@ async def one_request(
 
 
 async def client_loop(
-    i: int, client: httpx.AsyncClient, url: str, args: argparse.Namespace, stop_at: float,
+    i: int, client: httpx.AsyncClient, url: str, args: argparse.Namespace, window: Window,
     tally: Tally,
 ) -> None:  # fmt: skip
     rng = random.Random(i)
-    while time.monotonic() < stop_at:
+    while time.monotonic() < window.stop_at:
         # a few shared "system prompts" so the prefix cache sees reuse, then a unique tail
         head = [1] + [3 + (rng.randrange(4) * 31 + j) % 250 for j in range(31)]
         tail = [3 + rng.randrange(250) for _ in range(rng.randrange(16, 96))]
@@ -186,29 +188,52 @@ async def wait_healthy(base: str, timeout: float) -> None:
     raise SystemExit(f"the router at {base} did not become healthy in {timeout:g} s")
 
 
-async def drive(args: argparse.Namespace, base: str, pids: list[int]) -> tuple[Tally, float]:
+@dataclass
+class Window:
+    """When the clients stop sending (moved once the warm-up ends)."""
+
+    stop_at: float = float("inf")
+
+
+async def drive(args: argparse.Namespace, base: str, procs: dict[str, int]) -> tuple[Tally, float]:
     await wait_healthy(base, 120)
     url = f"{base}/v1/completions"
-    limits = httpx.Limits(max_connections=args.clients + 8, max_keepalive_connections=args.clients)
+    # idle connections expire on the client before the server's 5 s keep-alive closes them,
+    # so no request is sent down a connection the server is closing at that moment
+    limits = httpx.Limits(max_connections=args.clients + 8,
+                          max_keepalive_connections=args.clients, keepalive_expiry=2.0)  # fmt: skip
     tally = Tally()
+    window = Window()
+    pids = list(procs.values())
+
+    def each() -> str:
+        return " ".join(f"{name}={rss_mb([pid]):.0f}MB" for name, pid in procs.items())
+
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout_s), limits=limits) as c:
         t0 = time.monotonic()
-        stop_at = t0 + args.warmup_s + args.seconds
-        tasks = [asyncio.create_task(client_loop(i, c, url, args, stop_at, tally))
+        tasks = [asyncio.create_task(client_loop(i, c, url, args, window, tally))
                  for i in range(args.clients)]  # fmt: skip
-        await asyncio.sleep(args.warmup_s)
+        # warm-up: at least --warmup-s, and until as many requests completed as there are
+        # clients (every code path, buffer and connection has been used at full load)
+        while time.monotonic() - t0 < args.warmup_s or (
+            tally.completed < args.clients and time.monotonic() - t0 < args.warmup_max_s
+        ):
+            await asyncio.sleep(0.5)
         rss0 = rss_mb(pids)
-        done0 = tally.completed
-        print(f"warm-up done: {done0} completed, rss {rss0:.1f} MB", flush=True)
+        done0, t_measure = tally.completed, time.monotonic()
+        window.stop_at = t_measure + args.seconds
+        print(f"warm-up done after {t_measure - t0:.1f} s: {done0} completed, "
+              f"rss {rss0:.1f} MB ({each()})", flush=True)  # fmt: skip
         next_report = time.monotonic() + 10
-        while time.monotonic() < stop_at:
-            await asyncio.sleep(min(1.0, max(0.0, stop_at - time.monotonic())))
+        while time.monotonic() < window.stop_at:
+            await asyncio.sleep(min(1.0, max(0.0, window.stop_at - time.monotonic())))
             if time.monotonic() >= next_report:
                 next_report += 10
-                print(f"t={time.monotonic() - t0:5.1f}s completed={tally.completed} "
+                print(f"t={time.monotonic() - t_measure:5.1f}s completed={tally.completed} "
                       f"throttled={tally.throttled} errors={tally.errors} "
-                      f"dropped={tally.dropped} rss={rss_mb(pids):.1f}MB", flush=True)  # fmt: skip
-        measured_s = time.monotonic() - t0 - args.warmup_s
+                      f"dropped={tally.dropped} rss={rss_mb(pids):.1f}MB ({each()})",
+                      flush=True)  # fmt: skip
+        measured_s = time.monotonic() - t_measure
         _, pending = await asyncio.wait(tasks, timeout=args.request_timeout_s + 30)
         for t in pending:
             t.cancel()
@@ -221,7 +246,7 @@ async def drive(args: argparse.Namespace, base: str, pids: list[int]) -> tuple[T
           f"tokens={tally.tokens} completed_per_s={rate:.1f}", flush=True)  # fmt: skip
     if tally.why:
         print("failures: " + ", ".join(f"{k}: {v}" for k, v in tally.why.most_common()))
-    print(f"rss after warm-up {rss0:.1f} MB, at the end {rss1:.1f} MB", flush=True)
+    print(f"rss after warm-up {rss0:.1f} MB, at the end {rss1:.1f} MB ({each()})", flush=True)
     return tally, rss1 - rss0
 
 
@@ -229,7 +254,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--clients", type=int, default=500)
     p.add_argument("--seconds", type=float, default=60.0, help="measured time after warm-up")
-    p.add_argument("--warmup-s", type=float, default=10.0)
+    p.add_argument("--warmup-s", type=float, default=10.0, help="shortest warm-up")
+    p.add_argument("--warmup-max-s", type=float, default=180.0, help="longest warm-up")
     p.add_argument("--model", default=None, help="checkpoint folder (default: the tiny model)")
     p.add_argument("--colocated", action="store_true", help="one 'both' worker instead of 1+1")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -256,8 +282,9 @@ def main() -> int:
         port = free_port()
         router = start_router(model, spec, procs.token_file, cfg, port)
         try:
-            pids = [router.pid, *(wp.proc.pid for wp in procs.procs)]
-            tally, growth = asyncio.run(drive(args, f"http://127.0.0.1:{port}", pids))
+            named = {"router": router.pid}
+            named.update({f"{wp.role.value}{i}": wp.proc.pid for i, wp in enumerate(procs.procs)})
+            tally, growth = asyncio.run(drive(args, f"http://127.0.0.1:{port}", named))
         finally:
             router.terminate()
             try:
