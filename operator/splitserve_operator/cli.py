@@ -55,8 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz",
     )
     p.add_argument("--no-events", action="store_true", help="do not record Kubernetes Events")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve the planner's /metrics (decisions, desired vs ready) on this port")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve the planner's /metrics (decisions, desired vs ready) on this port",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
