@@ -136,7 +136,9 @@ async def one_request(
             return
         except httpx.HTTPError as e:
             tally.dropped += 1
-            tally.why[f"{type(e).__name__} {stage}: {e}"] += 1
+            cause = e.__cause__ or e.__context__
+            after = time.monotonic() - first_try
+            tally.why[f"{type(e).__name__} {stage} ({cause!r}, {after:.1f} s in)"] += 1
             return
 
 
