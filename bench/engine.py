@@ -64,6 +64,11 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def fresh(n: int, length: int, vocab: int, base: int) -> Callable[[int], list[list[int]]]:
+    """Prompts for round ``r``: new ones every round."""
+    return lambda r: prompts(n, length, vocab, seed=base + r)
+
+
 def run_engine(engine: AsyncEngine, batch: list[list[int]], new_tokens: int) -> Timed:
     """Through the asyncio front, as a server drives it: the step loop runs on the
     engine's own thread (as transformers' manager runs its loop on a thread of its own)."""
@@ -105,10 +110,17 @@ def run_transformers(lm: LoadedModel, batch: list[list[int]], new_tokens: int) -
 
 
 def best_of(
-    rounds: int, engine: AsyncEngine, lm: LoadedModel, batch: list[list[int]], new_tokens: int
+    rounds: int,
+    engine: AsyncEngine,
+    lm: LoadedModel,
+    make: Callable[[int], list[list[int]]],
+    new_tokens: int,
 ) -> tuple[list[Timed], list[Timed]]:
+    """Alternate the engines ``rounds`` times; each round has fresh prompts (no prefix
+    cache hit from an earlier round), the same for both engines."""
     ours, theirs = [], []
-    for _ in range(rounds):
+    for r in range(rounds):
+        batch = make(r)
         t0 = time.perf_counter()
         ours.append(run_engine(engine, batch, new_tokens))
         t1 = time.perf_counter()
@@ -151,15 +163,25 @@ def main() -> None:
     rows: list[tuple[str, float, float, float]] = []
     b16: tuple[float, float] = (0.0, 0.0)
     for b in BATCHES:
-        batch = prompts(b, DECODE_PROMPT_LEN, vocab, seed=b)
-        ours, theirs = best_of(args.rounds, engine, lm, batch, args.new_tokens)
+        ours, theirs = best_of(
+            args.rounds,
+            engine,
+            lm,
+            fresh(b, DECODE_PROMPT_LEN, vocab, base=100 * b),
+            args.new_tokens,
+        )
         a, t = max(r.decode_rate() for r in ours), max(r.decode_rate() for r in theirs)
         rows.append((f"decode b{b}", a, t, agree(ours[0], theirs[0])))
         if b == 16:
             b16 = (a, t)
-    batch = prompts(PREFILL_BATCH, PREFILL_PROMPT_LEN, vocab, seed=99)
     total = PREFILL_BATCH * PREFILL_PROMPT_LEN
-    ours, theirs = best_of(args.rounds, engine, lm, batch, 1)
+    ours, theirs = best_of(
+        args.rounds,
+        engine,
+        lm,
+        fresh(PREFILL_BATCH, PREFILL_PROMPT_LEN, vocab, base=9000),
+        1,
+    )
     a, t = max(r.prefill_rate(total) for r in ours), max(r.prefill_rate(total) for r in theirs)
     rows.append(
         (f"prefill {PREFILL_BATCH}x{PREFILL_PROMPT_LEN}", a, t, agree(ours[0], theirs[0], 1))
@@ -170,18 +192,30 @@ def main() -> None:
     for name, a, b_, ag in rows:
         print(f"{name:18}{a:14.1f}{b_:14.1f}{a / b_:8.2f}{ag:14.0%}")
     if args.profile:
-        profile(lambda: run_engine(engine, prompts(16, DECODE_PROMPT_LEN, vocab, 16), 16))
+        batch = prompts(16, DECODE_PROMPT_LEN, vocab, seed=7)
+        print(asyncio.run(engine.call(profile_decode, engine.engine, batch, 8)))
     asyncio.run(engine.close())
     print(f"RESULT engine_vs_transformers_decode_b16={b16[0] / b16[1]:.2f}")
 
 
-def profile(fn: Callable[[], object]) -> None:
+def profile_decode(engine: Engine, batch: list[list[int]], steps: int) -> str:
+    """On the engine's thread: prefill ``batch``, then profile ``steps`` decode steps."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    sp = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+    for i, p in enumerate(batch):
+        engine.add_request(f"prof_{i}", p, sp)
+    while engine.num_waiting or any(s.remaining > 1 for s in engine.scheduler.running):
+        engine.step()
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        for _ in range(steps):
+            engine.step()
+    for i in range(len(batch)):
+        engine.abort(f"prof_{i}")
+    engine.step()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    return f"profile of {steps} decode steps at batch {len(batch)}:\n{table}"
 
 
 if __name__ == "__main__":

@@ -81,8 +81,11 @@ def test_one_at_a_time(tiny: LoadedModel, reference: list[list[int]]) -> None:
     assert engine.kv.free_blocks == engine.kv.total_blocks
 
 
-def test_all_batched_together(tiny: LoadedModel, reference: list[list[int]]) -> None:
-    engine = Engine(tiny, EngineConfig(num_blocks=400, enable_prefix_cache=False))
+@pytest.mark.parametrize("prepack", [True, False])
+def test_all_batched_together(tiny: LoadedModel, reference: list[list[int]], prepack: bool) -> None:
+    cfg = EngineConfig(num_blocks=400, enable_prefix_cache=False, cpu_prepack=prepack)
+    engine = Engine(tiny, cfg)
+    assert engine.runner.prepacked == prepack
     got = _run(engine, _prompts())
     assert [got[f"r{i}"] for i in range(NUM_PROMPTS)] == reference
     assert engine.kv.free_blocks == engine.kv.total_blocks

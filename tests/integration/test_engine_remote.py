@@ -92,7 +92,9 @@ def test_callback_runs_before_the_next_layer(tiny: LoadedModel) -> None:
     layers = pre.runner.layers
     calls = {"n": 0}
     hooks = [
-        layer.mlp.register_forward_hook(lambda *_a, i=i: seen.append((i, calls["n"])))
+        layer.post_attention_layernorm.register_forward_hook(
+            lambda *_a, i=i: seen.append((i, calls["n"]))
+        )
         for i, layer in enumerate(layers)
     ]
     try:
@@ -104,7 +106,7 @@ def test_callback_runs_before_the_next_layer(tiny: LoadedModel) -> None:
     finally:
         for h in hooks:
             h.remove()
-    # when layer i's MLP ran, exactly the callbacks of layers 0..i-1 had been made
+    # when layer i reached its MLP, exactly the callbacks of layers 0..i-1 had been made
     assert calls["n"] == len(layers)
     assert seen == [(i, i) for i in range(len(layers))]
 

@@ -54,6 +54,11 @@ class EngineConfig:
     num_threads: int | None = None
     """CPU threads for torch (``torch.set_num_threads``); ``None`` leaves torch's default."""
 
+    cpu_prepack: bool = True
+    """On the CPU in float32, also keep the linear weights in oneDNN's prepacked layout,
+    q/k/v and gate/up fused: decode steps run about twice as fast, for one more copy of
+    the weights in memory. Ignored elsewhere."""
+
     role: str = "both"
     """``both``, ``prefill`` or ``decode``: the label on this engine's metrics."""
 

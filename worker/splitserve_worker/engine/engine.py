@@ -83,7 +83,7 @@ class Engine:
             device=device,
             max_events=config.max_events,
         )
-        self.runner = ModelRunner(model, self.kv)
+        self.runner = ModelRunner(model, self.kv, prepack=config.cpu_prepack)
         self.max_model_len = self._max_model_len(model.config)
         self.stopper = StopChecker(_eos_ids(model), loaded.tokenizer, self.max_model_len)
         self.scheduler = Scheduler(config, self.kv.blocks)

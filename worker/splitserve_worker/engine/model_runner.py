@@ -20,6 +20,16 @@ import torch
 import torch.nn.functional as F
 
 from splitserve_worker.engine.kv_cache import KVCache
+from splitserve_worker.engine.linear import (
+    LayerMatmuls,
+    ModuleLayer,
+    PackedLayer,
+    packed_head,
+    prepack_available,
+)
+
+PACK_HINT = 16
+"""Rows oneDNN lays prepacked weights out for: a typical decode batch."""
 
 
 class UnsupportedModel(RuntimeError):
@@ -64,7 +74,7 @@ def model_shape(config: Any) -> ModelShape:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, kv: KVCache) -> None:
+    def __init__(self, model: Any, kv: KVCache, *, prepack: bool = False) -> None:
         inner = getattr(model, "model", None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
         if inner is None or not all(hasattr(inner, n) for n in needed):
@@ -92,6 +102,16 @@ class ModelRunner:
         self.scaling = float(getattr(attn0, "scaling", self.shape.head_dim**-0.5))
         self.kv = kv
         self.device = kv.device
+        self.prepacked = prepack and prepack_available(kv.device, kv.dtype)
+        self.matmuls: list[LayerMatmuls]
+        self.head: Callable[[torch.Tensor], torch.Tensor]
+        if self.prepacked:
+            with torch.inference_mode():
+                self.matmuls = [PackedLayer(layer, PACK_HINT) for layer in self.layers]
+                self.head = packed_head(self.lm_head, PACK_HINT)
+        else:
+            self.matmuls = [ModuleLayer(layer) for layer in self.layers]
+            self.head = self.lm_head
 
     @torch.inference_mode()
     def forward(
@@ -108,27 +128,28 @@ class ModelRunner:
         cos, sin = self.rotary(h, plan.positions.unsqueeze(0))
         cos, sin = cos[0], sin[0]
         hd = self.shape.head_dim
-        for i, layer in enumerate(self.layers):
+        for i, (layer, mm) in enumerate(zip(self.layers, self.matmuls, strict=True)):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             t = x.shape[0]
-            q = attn.q_proj(x).view(t, -1, hd)
-            k = attn.k_proj(x).view(t, -1, hd)
-            v = attn.v_proj(x).view(t, -1, hd)
+            q, k, v = mm.qkv(x)
+            q = q.reshape(t, -1, hd)
+            k = k.reshape(t, -1, hd)
+            v = v.reshape(t, -1, hd)
             if hasattr(attn, "q_norm"):
                 q = attn.q_norm(q)
                 k = attn.k_norm(k)
             q, k = self.apply_rope(q, k, cos, sin, unsqueeze_dim=1)
             self.kv.write(i, plan.slots, k, v)
             o = self._attention(i, plan, q, k, v)
-            h = h + attn.o_proj(o.reshape(t, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + mm.o(o.reshape(t, -1))
+            h = h + mm.mlp(layer.post_attention_layernorm(h))
             if after_layer is not None:
                 after_layer(i)
         if plan.logit_rows.numel() == 0:
             return torch.empty((0, self.shape.vocab_size), device=self.device)
         last = self.norm(h.index_select(0, plan.logit_rows))
-        return self.lm_head(last).float()
+        return self.head(last).float()
 
     def _attention(
         self, layer: int, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
