@@ -226,6 +226,17 @@ CASES = [
         ),
     ),
     Case(
+        "after-a-drop-a-shrink-sizes-for-the-fast-window",
+        Pool.PREFILL,
+        # the 60 s window still says 30000 tok/s, the fast one 10000:
+        # ceil(10000 / (8000 x 0.8)) = ceil(1.56) = 2 (a scale-up would size for 30000)
+        {"prompt_token_rate": 30000.0, "prompt_token_rate_fast": 10000.0},
+        replicas=6,
+        want=2,
+        reason=Reason.SURPLUS,
+        memory=PoolMemory(capacity=8000.0, capacity_trusted=True, shrink_since=NOW - 150),
+    ),
+    Case(
         "surplus-in-cooldown-after-up",
         Pool.PREFILL,
         # wanted long enough, but the last scale-up was 100 s ago (< 300)

@@ -384,7 +384,7 @@ def _maybe_shrink(
     if not (s.idle or s.shrink_ok):
         memory = _break_shrink(memory)
         return _within(s, status, memory, "inside the hysteresis band"), memory
-    by_capacity = sizing(s, memory, config, backlog=True)
+    by_capacity = sizing(replace(s, demand=s.recent_demand), memory, config, backlog=True)
     if s.idle:
         proposal, reason = status.bounds.min_replicas, Reason.IDLE
         how = f"no traffic: minimum {proposal}"

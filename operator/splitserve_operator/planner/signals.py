@@ -21,7 +21,12 @@ class PoolSignals:
     latency_s: float | None
     slo_s: float
     demand: float
-    """Work arriving, in the pool's capacity unit per second."""
+    """Work arriving, in the pool's capacity unit per second (the larger of the
+    main and the fast window: what a scale-up sizes for)."""
+    recent_demand: float
+    """The same over the fast window alone when there is one (what a shrink
+    sizes for: after a load drop the main window lags; the stabilisation
+    window's maximum covers the fast window's noise)."""
     served: float
     """Work the pool did, same unit (what capacity is learned from)."""
     backlog_rate: float
@@ -109,6 +114,9 @@ def prefill_signals(obs: Observation, slo: Slo, cfg: PlannerConfig) -> PoolSigna
         latency_s=obs.ttft_s,
         slo_s=slo.ttft_s,
         demand=prompt_rate,
+        recent_demand=obs.prompt_token_rate_fast
+        if obs.prompt_token_rate_fast is not None
+        else stable,
         served=served if served is not None else prompt_rate,
         backlog_rate=(queue * mean_prompt / cfg.queue_drain_s) if not empty_queue else 0.0,
         queue=queue,
@@ -139,10 +147,12 @@ def decode_signals(
     # Generated tokens are capped by what decode can do while it is saturated
     # and inflated while it catches up; the prompt arrival rate is neither, so
     # once the ratio is known, arrivals are the demand.
-    demand = gen_rate
+    demand = recent = gen_rate
     arrivals = _arrivals(obs)
     if output_per_prompt_token is not None and arrivals is not None:
         demand = arrivals * output_per_prompt_token
+        fast = obs.prompt_token_rate_fast
+        recent = (fast if fast is not None else arrivals) * output_per_prompt_token
     mean_output = gen_rate / request_rate if request_rate > 0 else 0.0
     wait = _queue_wait(queue, request_rate, cfg.queue_epsilon)
     empty_queue = queue <= cfg.queue_epsilon
@@ -158,6 +168,7 @@ def decode_signals(
         latency_s=obs.tpot_s,
         slo_s=slo.tpot_s,
         demand=demand,
+        recent_demand=recent,
         served=served if served is not None else gen_rate,
         backlog_rate=(queue * mean_output / cfg.queue_drain_s) if not empty_queue else 0.0,
         queue=queue,
