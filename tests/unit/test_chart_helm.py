@@ -98,6 +98,21 @@ def test_service_monitor_scrapes_the_workload_metrics_ports() -> None:
     assert not [d for d in chart.template() if d["kind"] == "ServiceMonitor"]
 
 
+def test_operator_metrics_are_served_and_scraped_with_their_own_labels() -> None:
+    documents = chart.template(sets=["serviceMonitor.enabled=true", "operator.metricsPort=9300"])
+    (deployment,) = [d for d in documents if d["kind"] == "Deployment"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert "--metrics-port=9300" in container["args"]
+    assert {"name": "metrics", "containerPort": 9300, "protocol": "TCP"} in container["ports"]
+    (monitor,) = [d for d in documents if d["kind"] == "PodMonitor"]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["honorLabels"] is True
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    off = chart.template(sets=["serviceMonitor.enabled=true", "serviceMonitor.operator=false"])
+    assert not [d for d in off if d["kind"] == "PodMonitor"]
+
+
 @pytest.mark.parametrize(
     "bad",
     [
