@@ -59,6 +59,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from splitserve_operator.sim import (
@@ -139,7 +140,7 @@ class CpuGauge:
 # ---------------------------------------------------------------- 1. the engine
 
 
-TINY = dict(
+TINY: dict[str, Any] = dict(
     hidden_size=256, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
     num_key_value_heads=4,
 )  # fmt: skip

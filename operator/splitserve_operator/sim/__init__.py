@@ -14,6 +14,8 @@ Modules
                  :class:`MeasuredCost`, KV transfer timing (layer-wise or not).
 ``workload``     :class:`Workload`, :class:`Request`, Poisson synthetic workloads.
 ``traces``       Mooncake JSONL and Azure CSV replay (and writers).
+``synth``        day-long Mooncake-like and Azure-like traces drawn here.
+``prefix``       the LRU prefix cache of 512-token blocks (``hash_ids``).
 ``config``       :class:`SimConfig` (pools, replicas, link, chunk size, ...),
                  :func:`roofline_config`.
 ``instances``    prefill, decode and colocated engine instances.
@@ -24,6 +26,15 @@ Modules
 
 Model of the system
 -------------------
+- Costs: :class:`RooflineCost` sums a roofline per kernel group of a step
+  (matmuls: compute at a size-dependent efficiency or streaming the weights;
+  prefill attention: compute; decode attention: reading the KV), plus a fixed
+  step overhead and tensor-parallel all-reduces. Efficiencies are documented
+  assumptions (0.6 of peak FLOP/s, 0.8 of HBM bandwidth, half efficiency at
+  128-token matmuls), not GPU measurements. :class:`MeasuredCost` replaces it
+  with linear fits of timings taken on a real engine.
+- Memory: a request reserves KV for its prompt and output when admitted and
+  frees it when done (no preemption); it waits while that does not fit.
 - Colocated: ``both`` instances run vLLM-style chunked prefill: each step
   carries every running decode plus prompt chunks up to ``chunk_size`` tokens.
 - Disaggregated: prefill instances batch queued prompts (up to

@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from splitserve_operator.sim import advise as adv
+    from splitserve_operator.sim.advise import CHUNK_SIZES, advise, workload_for_advice
     from splitserve_operator.sim.config import ConfigError, Slo
     from splitserve_operator.sim.hardware import HardwareError, get_gpu, get_link
     from splitserve_operator.sim.model_spec import ModelSpecError, load_model_spec
@@ -68,10 +68,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             if args.prompt_len is None or args.output_len is None:
                 raise WorkloadError("--rate needs --prompt-len and --output-len")
-            workload = adv.workload_for_advice(
+            workload = workload_for_advice(
                 args.rate, args.prompt_len, args.output_len, n=args.requests
             )
-        advice = adv.advise(
+        advice = advise(
             model,
             prefill_gpu,
             link,
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             gpus=args.gpus,
             tp=args.tp,
             layerwise=not args.no_layerwise,
-            chunk_sizes=tuple(args.chunk_size) if args.chunk_size else adv.CHUNK_SIZES,
+            chunk_sizes=tuple(args.chunk_size) if args.chunk_size else CHUNK_SIZES,
             max_requests=args.requests,
         )
     except (HardwareError, ModelSpecError, WorkloadError, ConfigError, OSError) as e:
