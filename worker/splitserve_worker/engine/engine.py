@@ -4,20 +4,19 @@ remote-KV calls; :mod:`.async_engine` wraps it for asyncio servers."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from splitserve_worker.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
-from splitserve_worker.engine.errors import NoCapacity, RequestError, UnknownRequest
-from splitserve_worker.engine.kv_cache import KV_LAYOUT, KVCache, bytes_per_block
+from splitserve_worker.engine import identity
+from splitserve_worker.engine.config import EngineConfig
+from splitserve_worker.engine.errors import NoCapacity, RequestError
+from splitserve_worker.engine.kv_cache import KVCache, bytes_per_block
 from splitserve_worker.engine.metrics import EngineMetrics
 from splitserve_worker.engine.model_runner import Chunk, ModelRunner, model_shape
 from splitserve_worker.engine.prefix_cache import KVCacheEvent, block_hashes
+from splitserve_worker.engine.reservations import Reservations
 from splitserve_worker.engine.sampling import SampleRow, SamplingParams, sample
 from splitserve_worker.engine.scheduler import Scheduler, StepPlan, blocks_for
 from splitserve_worker.engine.sequence import (
@@ -37,12 +36,6 @@ positions ``[start_token, start_token + n)`` of one layer."""
 
 FORWARD_ERRORS = (RuntimeError, ValueError, IndexError)
 """Errors of a model forward that fail the requests in that batch, not the engine."""
-
-
-@dataclass
-class _Reservation:
-    blocks: list[int]
-    num_tokens: int
 
 
 class Engine:
@@ -72,7 +65,9 @@ class Engine:
         per_block = bytes_per_block(
             shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, dtype
         )
-        num_blocks = config.num_blocks or max(1, self._kv_budget(device) // per_block)
+        num_blocks = config.num_blocks or max(
+            1, identity.kv_budget_bytes(config, device) // per_block
+        )
         self.kv = KVCache(
             num_layers=shape.num_layers,
             num_blocks=num_blocks,
@@ -84,58 +79,24 @@ class Engine:
             max_events=config.max_events,
         )
         self.runner = ModelRunner(model, self.kv, prepack=config.cpu_prepack)
-        self.max_model_len = self._max_model_len(model.config)
-        self.stopper = StopChecker(_eos_ids(model), loaded.tokenizer, self.max_model_len)
+        self.max_model_len = identity.max_model_len(model.config, shape, config.max_model_len)
+        self.stopper = StopChecker(identity.eos_ids(model), loaded.tokenizer, self.max_model_len)
         self.scheduler = Scheduler(config, self.kv.blocks)
         self._seqs: dict[str, Sequence] = {}
-        self._reserved: dict[str, _Reservation] = {}
+        self._reserved = Reservations(self.kv)
         self._pending: list[RequestOutput] = []
         self._arrivals = 0
         self.metrics = EngineMetrics(metrics, config.role) if metrics is not None else None
         self._update_gauges()
 
-    # ---- sizing ----
-    def _kv_budget(self, device: torch.device) -> int:
-        if self.config.kv_cache_memory is not None:
-            return self.config.kv_cache_memory
-        if device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(device)
-            return int(free * self.config.gpu_memory_fraction)
-        return DEFAULT_CPU_KV_BYTES
-
-    def _max_model_len(self, cfg: Any) -> int:
-        limit = self.shape.max_position
-        window = getattr(cfg, "sliding_window", None)
-        layer_types = getattr(cfg, "layer_types", None) or []
-        uses_window = window is not None and (
-            getattr(cfg, "use_sliding_window", True) or "sliding_attention" in layer_types
-        )
-        if uses_window and window:
-            # attention here is always full: keep sequences within the window so it is exact
-            limit = min(limit, int(window))
-        if self.config.max_model_len is not None:
-            limit = min(limit, self.config.max_model_len)
-        return limit
-
     # ---- identity ----
     def compat_info(self) -> dict[str, Any]:
-        cfg = self.model.config
-        return {
-            "model": self.loaded.name,
-            "architecture": (getattr(cfg, "architectures", None) or [type(self.model).__name__])[0],
-            "vocab_size": self.shape.vocab_size,
-            "hidden_size": self.shape.hidden_size,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "block_size": self.block_size,
-            "num_layers": self.shape.num_layers,
-            "kv_heads": self.shape.num_kv_heads,
-            "head_dim": self.shape.head_dim,
-            "kv_layout": KV_LAYOUT,
-        }
+        return identity.compat_info(
+            self.loaded.name, self.model, self.shape, self.dtype, self.block_size
+        )
 
     def compat_hash(self) -> str:
-        canon = json.dumps(self.compat_info(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canon.encode()).hexdigest()
+        return identity.compat_hash(self.compat_info())
 
     def block_hashes(self, token_ids: Iterable[int]) -> list[int]:
         """Chained hashes of the full blocks of a prompt, as this engine caches them."""
@@ -425,33 +386,19 @@ class Engine:
                 f"decode batch full ({self.config.max_num_seqs} sequences)",
                 free=self.kv.free_blocks,
             )
-        ids = self.kv.blocks.allocate(blocks_for(num_prompt_tokens, self.block_size))
-        self._reserved[request_id] = _Reservation(ids, num_prompt_tokens)
+        ids = self._reserved.hold(request_id, num_prompt_tokens)
         self._update_gauges()
-        return list(ids)
+        return ids
 
     def reserved_blocks(self, request_id: str) -> list[int]:
-        r = self._reserved.get(request_id)
-        if r is None:
-            raise UnknownRequest(request_id)
-        return list(r.blocks)
+        return list(self._reserved.get(request_id).blocks)
 
     def write_layer(
         self, request_id: str, layer: int, start_token: int, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Copy one layer's K/V ``[n, kv_heads, head_dim]`` for prompt positions
         ``[start_token, start_token + n)`` into a reservation's blocks."""
-        r = self._reserved.get(request_id)
-        if r is None:
-            raise UnknownRequest(request_id)
-        n = int(k.shape[0])
-        if start_token < 0 or start_token + n > r.num_tokens:
-            raise RequestError(
-                f"K/V for positions [{start_token}, {start_token + n}) is outside the reserved "
-                f"{r.num_tokens} tokens"
-            )
-        slots = self.kv.slots(r.blocks, start_token, start_token + n)
-        self.kv.write(layer, slots, k.to(self.device), v.to(self.device))
+        self._reserved.write(request_id, layer, start_token, k, v)
 
     def admit_prefilled(
         self,
@@ -467,13 +414,11 @@ class Engine:
         outputs of this request carry the tokens after it.
         """
         r = self._reserved.get(request_id)
-        if r is None:
-            raise UnknownRequest(request_id)
         prompt = [int(t) for t in prompt_token_ids]
         sampling = sampling or SamplingParams()
         if len(prompt) != r.num_tokens:
             raise RequestError(f"prompt has {len(prompt)} tokens but {r.num_tokens} were reserved")
-        del self._reserved[request_id]
+        self._reserved.take(request_id)
         try:
             self._check_request(request_id, prompt, sampling)
         except RequestError:
@@ -501,11 +446,10 @@ class Engine:
 
         Idempotent: 0 for an unknown or already released request.
         """
-        r = self._reserved.pop(request_id, None)
-        if r is not None:
-            self.kv.blocks.free(reversed(r.blocks))
+        if request_id in self._reserved:
+            n = self._reserved.release(request_id)
             self._update_gauges()
-            return len(r.blocks)
+            return n
         seq = self._seqs.get(request_id)
         if seq is None:
             return 0
@@ -541,14 +485,3 @@ class Engine:
             "reserved": self.num_reserved,
             "tokens_in_flight": self.tokens_in_flight(),
         }
-
-
-def _eos_ids(model: Any) -> set[int]:
-    ids: set[int] = set()
-    for src in (getattr(model, "generation_config", None), model.config):
-        e = getattr(src, "eos_token_id", None) if src is not None else None
-        if isinstance(e, int):
-            ids.add(e)
-        elif isinstance(e, (list, tuple)):
-            ids.update(int(x) for x in e)
-    return ids

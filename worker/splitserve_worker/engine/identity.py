@@ -1,0 +1,78 @@
+"""What an engine is (its compatibility identity) and how big it may get (pool, lengths)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+
+from splitserve_worker.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from splitserve_worker.engine.kv_cache import KV_LAYOUT
+from splitserve_worker.engine.model_runner import ModelShape
+
+
+def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
+    """Bytes for the KV pool: the configured budget, a fraction of free GPU memory, or the
+    CPU default."""
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * config.gpu_memory_fraction)
+    return DEFAULT_CPU_KV_BYTES
+
+
+def max_model_len(model_config: Any, shape: ModelShape, configured: int | None) -> int:
+    """Longest sequence served: the model's positions, its sliding window if it uses one
+    (attention here is always full, so sequences stay within the window to be exact), and
+    the configured cap."""
+    limit = shape.max_position
+    window = getattr(model_config, "sliding_window", None)
+    layer_types = getattr(model_config, "layer_types", None) or []
+    uses_window = window is not None and (
+        getattr(model_config, "use_sliding_window", True) or "sliding_attention" in layer_types
+    )
+    if uses_window and window:
+        limit = min(limit, int(window))
+    if configured is not None:
+        limit = min(limit, configured)
+    return limit
+
+
+def eos_ids(model: Any) -> set[int]:
+    """EOS ids from the generation config and the model config."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(e, int):
+            ids.add(e)
+        elif isinstance(e, (list, tuple)):
+            ids.update(int(x) for x in e)
+    return ids
+
+
+def compat_info(
+    name: str, model: Any, shape: ModelShape, dtype: torch.dtype, block_size: int
+) -> dict[str, Any]:
+    """Everything two engines must share for K/V to move between them."""
+    cfg = model.config
+    return {
+        "model": name,
+        "architecture": (getattr(cfg, "architectures", None) or [type(model).__name__])[0],
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.hidden_size,
+        "dtype": str(dtype).removeprefix("torch."),
+        "block_size": block_size,
+        "num_layers": shape.num_layers,
+        "kv_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "kv_layout": KV_LAYOUT,
+    }
+
+
+def compat_hash(info: dict[str, Any]) -> str:
+    """sha256 over the canonical JSON of :func:`compat_info`."""
+    canon = json.dumps(info, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()
