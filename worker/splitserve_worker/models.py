@@ -81,7 +81,7 @@ def convert_builtin(target: Path) -> Path:
         _log("step 1/3: loading the tokenizer")
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         _log("step 2/3: dequantising weights (about 20 s)")
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model: Any = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         # The GGUF weights are dequantised on load: what is saved is a plain checkpoint.
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
@@ -166,7 +166,9 @@ def load_model(name_or_path: str, dtype: str = "auto", device: str | None = None
     ckpt_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     dt = torch_dtype(dtype, ckpt_dtype)
     dev = pick_device(device)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt, attn_implementation="sdpa")
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dt, attn_implementation="sdpa"
+    )
     model.to(dev)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -205,7 +207,8 @@ def save_tiny_llama(
     )
     cfg.update(overrides)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch_dtype(dtype))
+    model: Any = LlamaForCausalLM(LlamaConfig(**cfg))
+    model = model.to(torch_dtype(dtype))
     model.save_pretrained(str(path), safe_serialization=True)
     tok.save_pretrained(str(path))
     return path
