@@ -183,3 +183,19 @@ def test_arrivals_can_renew_a_lease() -> None:
     assert table.get("r1") is lease  # alive: it would have expired without the renewal
     table.record(lease, 1, 0, 5, 10)
     assert lease.expires_at == clock.now + 1  # a plain record does not renew
+
+
+def test_nixl_descriptors_coalesce_only_where_both_sides_continue() -> None:
+    from splitserve_worker.kv.nixl_common import coalesce
+
+    local = [(1000, 64, 0), (1064, 64, 0), (1128, 64, 0), (5000, 64, 0)]
+    remote = [(0, 64, 0), (64, 64, 0), (512, 64, 0), (576, 64, 0)]
+    # 1st+2nd continue on both sides; 2nd->3rd breaks remotely; 3rd->4th breaks locally
+    assert coalesce(local, remote) == (
+        [(1000, 128, 0), (1128, 64, 0), (5000, 64, 0)],
+        [(0, 128, 0), (512, 64, 0), (576, 64, 0)],
+    )
+    # another device never merges, even when addresses continue
+    assert coalesce([(0, 8, 0), (8, 8, 1)], [(0, 8, 0), (8, 8, 0)])[0] == [(0, 8, 0), (8, 8, 1)]
+    with pytest.raises(ValueError, match="sizes differ"):
+        coalesce([(0, 8, 0)], [(0, 16, 0)])

@@ -35,7 +35,13 @@ import torch
 
 from splitserve_worker.kv.faults import FaultInjector, InjectedFault
 from splitserve_worker.kv.layout import as_bytes, block_spans, owned
-from splitserve_worker.kv.nixl_common import POLL_BUSY_S, device_id, make_agent, mem_type
+from splitserve_worker.kv.nixl_common import (
+    POLL_BUSY_S,
+    coalesce,
+    device_id,
+    make_agent,
+    mem_type,
+)
 from splitserve_worker.kv.nixl_common import notif as make_notif
 from splitserve_worker.kv.nixl_common import unavailable_reason as unavailable_reason
 from splitserve_worker.kv.nixl_receiver import NixlReceiver
@@ -288,6 +294,7 @@ class NixlSender:
                 local.append((addrs[kv] + (s.token - start_token) * tb, nbytes, dev))
                 dst = self.remote.address(layer, kv, s.block, s.offset)
                 remote.append((dst, nbytes, self.remote.dev))
+        local, remote = coalesce(local, remote)
         with self._lock:
             self._pending += 1
         notif = make_notif(self._t.request_id, self._t.lease_id, layer, start_token + n)

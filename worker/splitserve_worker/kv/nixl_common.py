@@ -50,3 +50,33 @@ def parse_notif(msg: bytes) -> tuple[str, str, int, int]:
     """``(request_id, lease_id, layer, end_token)`` of a layer notification."""
     rid, lid, layer, end = msg.decode().split("\x00")
     return rid, lid, int(layer), int(end)
+
+
+Desc = tuple[int, int, int]
+"""A NIXL memory descriptor: (address, bytes, device id)."""
+
+
+def coalesce(local: list[Desc], remote: list[Desc]) -> tuple[list[Desc], list[Desc]]:
+    """Merge neighbouring descriptor pairs that continue each other on both sides.
+
+    Blocks reserved together are usually adjacent in the pool, and a layer's
+    fresh K/V is contiguous, so a layer's per-block spans mostly collapse into a
+    few large writes: fewer descriptors, less per-descriptor overhead in UCX.
+    """
+    if len(local) != len(remote):
+        raise ValueError(f"{len(local)} local descriptors but {len(remote)} remote ones")
+    out_l: list[Desc] = []
+    out_r: list[Desc] = []
+    for (la, ln, ld), (ra, rn, rd) in zip(local, remote, strict=True):
+        if ln != rn:
+            raise ValueError(f"descriptor sizes differ: local {ln} bytes, remote {rn} bytes")
+        if out_l:
+            pla, pln, pld = out_l[-1]
+            pra, prn, prd = out_r[-1]
+            if pld == ld and prd == rd and pla + pln == la and pra + prn == ra:
+                out_l[-1] = (pla, pln + ln, pld)
+                out_r[-1] = (pra, prn + rn, prd)
+                continue
+        out_l.append((la, ln, ld))
+        out_r.append((ra, rn, rd))
+    return out_l, out_r
