@@ -82,3 +82,26 @@ def test_builtin_model_converts_once_then_loads_fast(tmp_path: Path) -> None:
     assert second.returncode == 0, second.stderr[-2000:]
     assert "converting" not in second.stderr
     assert second.stdout == first.stdout
+
+
+def test_hub_ids_resolve_through_the_hub_cache(
+    tiny_model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Hugging Face id is looked up in the standard hub cache (offline here)."""
+    import shutil
+
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--acme--tiny-llama"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(rev)
+    shutil.copytree(tiny_model_path, repo / "snapshots" / rev)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    assert resolve_model("acme/tiny-llama") == repo / "snapshots" / rev
+    assert load_model("acme/tiny-llama").config.num_hidden_layers == 4
+    with pytest.raises(ModelError, match="could not fetch 'acme/absent'"):
+        resolve_model("acme/absent")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -100,18 +101,39 @@ def convert_builtin(target: Path) -> Path:
     return target
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _from_hub(repo_id: str) -> Path:
+    """The snapshot folder of a Hugging Face id: from the local hub cache, or downloaded
+    (``HF_TOKEN``, ``HF_HOME`` and ``HF_HUB_OFFLINE`` apply as usual)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        raise ModelError(
+            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
+            f"download it into a folder and pass that folder, or check HF_TOKEN and the network"
+        ) from e
+
+
 def resolve_model(name_or_path: str) -> Path:
-    """Return the checkpoint folder for the built-in name or a local folder."""
+    """Return the checkpoint folder for the built-in name, a local folder or a hub id."""
     if is_builtin(name_or_path):
         target = cache_dir() / "models" / BUILTIN_MODEL
         if not (target / "config.json").exists():
             convert_builtin(target)
         return target
     path = Path(name_or_path).expanduser()
+    if not path.is_dir() and _HUB_ID.fullmatch(name_or_path):
+        path = _from_hub(name_or_path)
     if not path.is_dir():
         raise ModelError(
             f"model {name_or_path!r} is neither the built-in name {BUILTIN_MODEL!r} "
-            f"nor a local checkpoint folder"
+            f"nor a local checkpoint folder (nor a Hugging Face id such as 'org/name')"
         )
     if not (path / "config.json").exists():
         raise ModelError(f"{path} has no config.json: point at a Hugging Face checkpoint folder")
