@@ -1,0 +1,88 @@
+"""The closed vocabularies and hard limits of an ``InferenceService`` spec.
+
+Enums for every field that takes one of a fixed set of values, the patterns that
+names, quantities and labels must match, and the bounds on replicas and GPUs.
+Pure constants: the models in :mod:`splitserve_operator.spec_models` use them.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+
+GPU_RESOURCE = "nvidia.com/gpu"
+"""The extended resource a pool's ``gpus`` becomes (requests and limits)."""
+
+MAX_NAME_LENGTH = 48
+"""Longest InferenceService name: the operator appends suffixes such as
+``-prefill`` and the result must stay a DNS-1035 label (63 characters) because
+it names a Service."""
+
+NAME_PATTERN = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+"""DNS-1035 label: what a Service name must be."""
+
+QUANTITY_PATTERN = re.compile(
+    r"^[+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+"""A Kubernetes resource quantity (``500m``, ``4Gi``, ``1e3``)."""
+
+ENV_NAME_PATTERN = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+LABEL_KEY_PATTERN = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+LABEL_VALUE_PATTERN = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+URL_PATTERN = re.compile(r"^https?://[^\s/$.?#][^\s]*$")
+
+MAX_REPLICAS = 1000
+MAX_GPUS_PER_POD = 16
+
+
+class Pool(StrEnum):
+    """The three Deployments of an InferenceService."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    ROUTER = "router"
+
+
+WORKER_POOLS: tuple[Pool, ...] = (Pool.PREFILL, Pool.DECODE)
+SCALED_POOLS: tuple[Pool, ...] = WORKER_POOLS
+"""Pools the planner may rescale (the router is sized by hand)."""
+
+
+class Dtype(StrEnum):
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+
+class KvBackend(StrEnum):
+    GRPC = "grpc"
+    NIXL = "nixl"
+
+
+class ServiceType(StrEnum):
+    CLUSTER_IP = "ClusterIP"
+    NODE_PORT = "NodePort"
+    LOAD_BALANCER = "LoadBalancer"
+
+
+class PullPolicy(StrEnum):
+    ALWAYS = "Always"
+    IF_NOT_PRESENT = "IfNotPresent"
+    NEVER = "Never"
+
+
+class TolerationOperator(StrEnum):
+    EXISTS = "Exists"
+    EQUAL = "Equal"
+
+
+class TaintEffect(StrEnum):
+    ANY = ""
+    NO_SCHEDULE = "NoSchedule"
+    PREFER_NO_SCHEDULE = "PreferNoSchedule"
+    NO_EXECUTE = "NoExecute"
