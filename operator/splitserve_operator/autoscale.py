@@ -27,16 +27,31 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from splitserve_operator.autoscale_config import AutoscaleConfig
+from splitserve_operator.autoscale_kopf import install
+from splitserve_operator.autoscale_metrics import OperatorMetrics
+from splitserve_operator.autoscale_status import (
+    CONDITION,
+    EVENT_SCALED_DOWN,
+    EVENT_SCALED_UP,
+    POOLS,
+    REASON_ACTIVE,
+    REASON_HOLDING,
+    _int,
+    _iso,
+    _map,
+    event_message,
+    event_reason,
+    hold_message,
+    status_patch,
+)
 from splitserve_operator.planner import (
     Bounds,
-    Direction,
     Plan,
-    PlannerConfig,
     PlannerState,
-    PoolDecision,
     PoolStatus,
     Slo,
     Tick,
@@ -44,72 +59,34 @@ from splitserve_operator.planner import (
 )
 from splitserve_operator.planner import Pool as PlannerPool
 from splitserve_operator.prometheus import (
-    DEFAULT_SELECTOR,
     MetricsSource,
     MetricsUnavailable,
     PrometheusSource,
     Target,
 )
-from splitserve_operator.spec import InferenceServiceSpec, Pool, SpecError, parse_spec
+from splitserve_operator.spec import InferenceServiceSpec, SpecError, parse_spec
 
 if TYPE_CHECKING:
-    import kopf
     from splitserve_worker.metrics.server import MetricsServer
 
     from splitserve_operator.k8s import Kind
 
+__all__ = [
+    "CONDITION",
+    "EVENT_SCALED_DOWN",
+    "EVENT_SCALED_UP",
+    "POOLS",
+    "REASON_ACTIVE",
+    "REASON_HOLDING",
+    "AutoscaleCluster",
+    "AutoscaleConfig",
+    "Autoscaler",
+    "OperatorMetrics",
+    "TickResult",
+    "install",
+]
+
 log = logging.getLogger(__name__)
-
-CONDITION = "ScalingActive"
-"""Condition type (as the HorizontalPodAutoscaler names it): True while the
-planner has the metrics it needs, False while it holds for lack of them."""
-REASON_ACTIVE = "MetricsAvailable"
-REASON_HOLDING = "MetricsUnavailable"
-EVENT_SCALED_UP = "ScaledUp"
-EVENT_SCALED_DOWN = "ScaledDown"
-
-POOLS: dict[PlannerPool, Pool] = {
-    PlannerPool.PREFILL: Pool.PREFILL,
-    PlannerPool.DECODE: Pool.DECODE,
-}
-
-
-@dataclass(frozen=True)
-class AutoscaleConfig:
-    resolution_s: float = 5.0
-    """Seconds (s) between wake-ups of the kopf timer. Each InferenceService is
-    ticked at its own ``autoscaling.intervalSeconds`` (at least 5 s), so this
-    only bounds how late a tick can be."""
-
-    window_s: float = 60.0
-    """Seconds (s) the PromQL rates and percentiles look back. Four scrapes at
-    least: 60 s suits a 15 s scrape interval. Also the planner's
-    ``observation_window_s`` (it waits this long after a resize before
-    trusting what it sees)."""
-
-    fast_window_s: float = 30.0
-    """Seconds (s) of the short arrival-rate window that notices a load step
-    sooner (two scrapes at least)."""
-
-    selector_template: str = DEFAULT_SELECTOR
-    """PromQL label matchers picking one service's series; ``{namespace}`` and
-    ``{name}`` are filled in (see :data:`~splitserve_operator.prometheus.DEFAULT_SELECTOR`)."""
-
-    metrics_port: int | None = None
-    """Port for the operator's own ``/metrics`` (planner decisions, desired vs
-    ready replicas); None: not served. 0 picks a free port."""
-
-    metrics_host: str = "0.0.0.0"
-
-    planner: PlannerConfig = field(default_factory=PlannerConfig)
-    """The planner's knobs; its ``observation_window_s`` is set to ``window_s``."""
-
-    forget_after_s: float = 3600.0
-    """Seconds (s) without a tick after which a service's planner memory is
-    dropped (it was deleted, or autoscaling was turned off)."""
-
-    def planner_config(self) -> PlannerConfig:
-        return replace(self.planner, observation_window_s=self.window_s)
 
 
 class AutoscaleCluster(Protocol):
@@ -129,49 +106,6 @@ class AutoscaleCluster(Protocol):
     def event(self, involved: Mapping[str, Any], type_: str, reason: str, message: str) -> None: ...
 
 
-class OperatorMetrics:
-    """The operator's series (names from :mod:`splitserve_worker.metrics.names`)."""
-
-    def __init__(self, registry: Any | None = None) -> None:
-        from splitserve_worker.metrics import names
-        from splitserve_worker.metrics.registry import Metrics
-
-        self.metrics = Metrics(registry)
-        self.registry = self.metrics.registry
-        self.decisions = self.metrics.counter(names.PLANNER_DECISIONS)
-        self.desired = self.metrics.gauge(names.REPLICAS_DESIRED)
-        self.ready = self.metrics.gauge(names.REPLICAS_READY)
-        self.available = self.metrics.gauge(names.PLANNER_METRICS_AVAILABLE)
-        self.capacity = self.metrics.gauge(names.PLANNER_CAPACITY)
-        self.slo_ratio = self.metrics.gauge(names.PLANNER_SLO_RATIO)
-        self.slo_target = self.metrics.gauge(names.SLO_TARGET)
-
-    def record(
-        self,
-        namespace: str,
-        name: str,
-        result: Plan,
-        ready: Mapping[PlannerPool, int],
-        slo: Slo,
-    ) -> None:
-        for objective, seconds in (("ttft", slo.ttft_s), ("tpot", slo.tpot_s)):
-            self.slo_target.labels(namespace=namespace, service=name, objective=objective).set(
-                seconds
-            )
-        self.available.labels(namespace=namespace, service=name).set(
-            1.0 if result.metrics_ok else 0.0
-        )
-        for d in result.decisions():
-            labels = {"namespace": namespace, "service": name, "pool": d.pool.value}
-            self.decisions.labels(direction=d.direction.value, **labels).inc()
-            self.desired.labels(**labels).set(d.replicas)
-            self.ready.labels(**labels).set(ready[d.pool])
-            if d.capacity is not None:
-                self.capacity.labels(**labels).set(d.capacity)
-            if d.slo_ratio is not None:
-                self.slo_ratio.labels(**labels).set(d.slo_ratio)
-
-
 @dataclass
 class _Memory:
     state: PlannerState
@@ -186,18 +120,6 @@ class TickResult:
     patched: bool
     hold_reason: str | None
     """Why the tick held for missing data, else None."""
-
-
-def _map(value: object) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
-
-
-def _int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _iso(moment: dt.datetime) -> str:
-    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class Autoscaler:
@@ -394,6 +316,8 @@ class Autoscaler:
 
     # -- writing the decision ------------------------------------------------------------
 
+    # -- writing the decision ------------------------------------------------------------
+
     def _write(
         self,
         body: Mapping[str, Any],
@@ -405,48 +329,8 @@ class Autoscaler:
         from splitserve_operator.k8s import INFERENCE_SERVICE
 
         namespace, name, _ = self._key(body)
-        status = _map(body.get("status"))
         stamp = _iso(self._wall())
-        pools: dict[str, Any] = {}
-        planner_pools: dict[str, Any] = {}
-        for d in result.decisions():
-            pool = POOLS[d.pool].value
-            if d.changed:
-                # d.previous is the recorded target (else the Deployment's size)
-                pools[pool] = {"desiredReplicas": d.replicas}
-                memory.last_scale[pool] = stamp
-            entry: dict[str, Any] = {
-                "desiredReplicas": d.replicas,
-                "reason": d.reason.value,
-                "message": d.detail[:512],
-            }
-            if pool in memory.last_scale:
-                entry["lastScaleTime"] = memory.last_scale[pool]
-            if d.capacity is not None:
-                entry["capacityPerReplica"] = round(d.capacity, 3)
-            if d.slo_ratio is not None:
-                entry["sloRatio"] = round(d.slo_ratio, 3)
-            planner_pools[pool] = entry
-        active = hold_reason is None
-        message = (
-            "the planner has the metrics it needs"
-            if active
-            else f"holding replicas, not scaling on missing data: {hold_reason}"
-        )
-        conditions = self._conditions(
-            status, active, message, stamp, _int(_map(body.get("metadata")).get("generation")) or 0
-        )
-        patch: dict[str, Any] = {
-            "autoscaling": {
-                "lastTickTime": stamp,
-                "metricsAvailable": active,
-                "pools": planner_pools,
-            },
-        }
-        if conditions is not None:
-            patch["conditions"] = conditions
-        if pools:
-            patch["pools"] = pools
+        patch = status_patch(body, result, memory.last_scale, hold_reason, stamp)
         try:
             self.cluster.patch(
                 INFERENCE_SERVICE, namespace, name, {"status": patch}, subresource="status"
@@ -459,31 +343,6 @@ class Autoscaler:
             log.warning("could not write the planner's decision on %s/%s: %s", namespace, name, exc)
             return False
         return True
-
-    @staticmethod
-    def _conditions(
-        status: Mapping[str, Any], active: bool, message: str, stamp: str, generation: int
-    ) -> list[dict[str, Any]] | None:
-        """All conditions with ours set; None when ours is unchanged (list merge patches
-        replace the whole list, so the others are sent back as they are)."""
-        old = [c for c in status.get("conditions") or [] if isinstance(c, Mapping)]
-        value = "True" if active else "False"
-        reason = REASON_ACTIVE if active else REASON_HOLDING
-        mine = next((c for c in old if c.get("type") == CONDITION), None)
-        if mine is not None and mine.get("status") == value and mine.get("message") == message:
-            return None
-        since = stamp
-        if mine is not None and mine.get("status") == value:
-            since = str(mine.get("lastTransitionTime") or stamp)
-        new = {
-            "type": CONDITION,
-            "status": value,
-            "reason": reason,
-            "message": message[:1024],
-            "lastTransitionTime": since,
-            "observedGeneration": generation,
-        }
-        return [dict(c) for c in old if c.get("type") != CONDITION] + [new]
 
     def _events(
         self, body: Mapping[str, Any], result: Plan, memory: _Memory, hold_reason: str | None
@@ -498,48 +357,10 @@ class Autoscaler:
                 body,
                 "Warning",
                 REASON_HOLDING,
-                f"holding replicas, not scaling on missing data: {hold_reason}",
+                hold_message(hold_reason),
             )
         elif active and was is False:
             self.cluster.event(body, "Normal", REASON_ACTIVE, "metrics are back; planning again")
         for d in result.decisions():
             if d.changed:
-                self.cluster.event(body, "Normal", _event_reason(d), _event_message(d))
-
-
-def _event_reason(d: PoolDecision) -> str:
-    return EVENT_SCALED_UP if d.direction is Direction.UP else EVENT_SCALED_DOWN
-
-
-def _event_message(d: PoolDecision) -> str:
-    return f"{d.pool.value} {d.previous} -> {d.replicas}: {d.reason.value}: {d.detail}"
-
-
-def install(registry: kopf.OperatorRegistry, autoscaler: Autoscaler) -> None:
-    """Registers the autoscaling timer and the metrics endpoint on ``registry``."""
-    import kopf
-
-    from splitserve_operator.render.names import GROUP, PLURAL, VERSION
-
-    def enabled(body: Mapping[str, Any], **_: Any) -> bool:
-        # From the raw body: kopf's `spec` view raises on a spec that is not an object.
-        return bool(_map(_map(_map(body).get("spec")).get("autoscaling")).get("enabled"))
-
-    @kopf.on.startup(registry=registry)
-    def start_autoscaler_metrics(**_: Any) -> None:
-        autoscaler.start_metrics_server()
-
-    @kopf.on.cleanup(registry=registry)
-    def stop_autoscaler(**_: Any) -> None:
-        autoscaler.close()
-
-    @kopf.timer(  # type: ignore[arg-type]
-        GROUP,
-        VERSION,
-        PLURAL,
-        interval=autoscaler.config.resolution_s,
-        when=enabled,  # type: ignore[arg-type]
-        registry=registry,
-    )
-    def autoscale(body: kopf.Body, **_: Any) -> None:
-        autoscaler.tick(dict(body))
+                self.cluster.event(body, "Normal", event_reason(d), event_message(d))
