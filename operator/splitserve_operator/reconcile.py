@@ -15,10 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import secrets
-import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from splitserve_operator import merge
@@ -32,6 +29,15 @@ from splitserve_operator.k8s import (
     Invalid,
     kind_of,
 )
+from splitserve_operator.reconcile_bodies import (
+    as_map,
+    controller_uid,
+    degraded_condition,
+    label_of,
+    live_replicas,
+    planned_replicas,
+)
+from splitserve_operator.reconcile_outcome import Action, NameConflict, Outcome, RetryLater
 from splitserve_operator.render import (
     Desired,
     RenderInputs,
@@ -41,6 +47,7 @@ from splitserve_operator.render import (
     render,
 )
 from splitserve_operator.render.names import LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGED_BY
+from splitserve_operator.serializer import Key, Serializer, key_of
 from splitserve_operator.spec import InferenceServiceSpec, Pool, SpecError, parse_spec
 from splitserve_operator.status import (
     PoolObservation,
@@ -51,72 +58,17 @@ from splitserve_operator.status import (
     status_patch,
 )
 
+__all__ = [
+    "Action",
+    "Key",
+    "Outcome",
+    "Reconciler",
+    "RetryLater",
+    "Serializer",
+    "key_of",
+]
+
 log = logging.getLogger(__name__)
-
-Key = tuple[str, str]
-"""(namespace, name) of an InferenceService."""
-
-
-class RetryLater(Exception):
-    """A transient failure (API unreachable, throttled, 5xx): try again after ``delay`` s."""
-
-    def __init__(self, message: str, delay: float = 5.0) -> None:
-        super().__init__(message)
-        self.delay = delay
-
-
-class Action(StrEnum):
-    CREATED = "created"
-    PATCHED = "patched"
-    UNCHANGED = "unchanged"
-    FAILED = "failed"
-
-
-@dataclass
-class Outcome:
-    """What one reconcile did (for events, logs and tests)."""
-
-    actions: dict[str, Action] = field(default_factory=dict)
-    problems: list[Problem] = field(default_factory=list)
-    status: dict[str, Any] | None = None
-    skipped: str | None = None
-
-    @property
-    def created(self) -> list[str]:
-        return [k for k, a in self.actions.items() if a == Action.CREATED]
-
-    @property
-    def patched(self) -> list[str]:
-        return [k for k, a in self.actions.items() if a == Action.PATCHED]
-
-
-def _map(value: object) -> Mapping[str, Any]:
-    """``value`` if it is a mapping, else empty: bodies from the API may hold anything."""
-    return value if isinstance(value, Mapping) else {}
-
-
-def key_of(body: Mapping[str, Any]) -> Key:
-    meta = _map(body.get("metadata"))
-    return str(meta.get("namespace") or ""), str(meta.get("name") or "")
-
-
-def _controller_uid(obj: Mapping[str, Any]) -> str | None:
-    refs = _map(obj.get("metadata")).get("ownerReferences")
-    for ref in refs if isinstance(refs, list) else []:
-        if isinstance(ref, Mapping) and ref.get("controller"):
-            return str(ref.get("uid"))
-    return None
-
-
-def _label(obj: Mapping[str, Any], key: str) -> str | None:
-    value = _map(_map(obj.get("metadata")).get("labels")).get(key)
-    return str(value) if value is not None else None
-
-
-def _planned(body: Mapping[str, Any], pool: Pool) -> int | None:
-    pools = _map(_map(body.get("status")).get("pools"))
-    value = _map(pools.get(pool.value)).get("desiredReplicas")
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _now() -> dt.datetime:
@@ -146,7 +98,7 @@ class Reconciler:
     # -- entry point -------------------------------------------------------------------
 
     def reconcile(self, body: Mapping[str, Any]) -> Outcome:
-        meta = _map(body.get("metadata"))
+        meta = as_map(body.get("metadata"))
         if meta.get("deletionTimestamp"):
             return Outcome(skipped="being deleted: its objects go with it")
         generation = meta.get("generation")
@@ -160,7 +112,7 @@ class Reconciler:
             namespace=str(meta.get("namespace") or "default"),
             uid=str(meta.get("uid") or ""),
         )
-        fresh = not _map(body.get("status")).get("observedGeneration")
+        fresh = not as_map(body.get("status")).get("observedGeneration")
         try:
             return self._apply_all(body, ref, spec, generation, fresh)
         except ApiError as exc:
@@ -175,7 +127,7 @@ class Reconciler:
     def _report_invalid(
         self, body: Mapping[str, Any], generation: int, problems: list[str]
     ) -> Outcome:
-        old = _map(body.get("status"))
+        old = as_map(body.get("status"))
         new = invalid_status(
             generation=generation, problems=problems, previous=old, now=self.clock()
         )
@@ -207,8 +159,8 @@ class Reconciler:
             pool: plan_replicas(
                 spec,
                 pool,
-                live=_live_replicas(live[pool], ref),
-                planned=_planned(body, pool),
+                live=live_replicas(live[pool], ref),
+                planned=planned_replicas(body, pool),
             )
             for pool in Pool
         }
@@ -250,7 +202,7 @@ class Reconciler:
                     )
                 )
                 continue
-            except _Conflict as exc:
+            except NameConflict as exc:
                 outcome.actions[label] = Action.FAILED
                 outcome.problems.append(Problem(Reason.NAME_CONFLICT, str(exc)))
                 continue
@@ -264,9 +216,9 @@ class Reconciler:
         desired_field = {
             pool: replicas[pool]
             for pool in Pool
-            if owns_desired_replicas(spec, pool) or _planned(body, pool) is None
+            if owns_desired_replicas(spec, pool) or planned_replicas(body, pool) is None
         }
-        old = _map(body.get("status"))
+        old = as_map(body.get("status"))
         new = compute_status(
             generation=generation,
             pools=observations,
@@ -277,7 +229,9 @@ class Reconciler:
         )
         outcome.status = new
         self._write_status(body, new, old)
-        self._record(body, outcome, repeat_problems=_degraded(new) != _degraded(old))
+        self._record(
+            body, outcome, repeat_problems=degraded_condition(new) != degraded_condition(old)
+        )
         return outcome
 
     def _ensure(
@@ -306,15 +260,15 @@ class Reconciler:
                     ) from exc
         if desired.create_only:
             return Action.UNCHANGED, actual
-        owner = _controller_uid(actual)
+        owner = controller_uid(actual)
         if owner != ref.uid:
             adoptable = (
                 owner is None
-                and _label(actual, LABEL_MANAGED_BY) == MANAGED_BY
-                and _label(actual, LABEL_INSTANCE) == ref.name
+                and label_of(actual, LABEL_MANAGED_BY) == MANAGED_BY
+                and label_of(actual, LABEL_INSTANCE) == ref.name
             )
             if not adoptable:
-                raise _Conflict(
+                raise NameConflict(
                     f"{desired.kind}/{desired.name} already exists and belongs to "
                     f"{'another owner' if owner else 'nobody'}; delete or rename it, or rename "
                     "the InferenceService"
@@ -362,80 +316,3 @@ class Reconciler:
             )
         for problem in outcome.problems if repeat_problems else []:
             self.cluster.event(body, "Warning", problem.reason.value, problem.message)
-
-
-def _degraded(status: Mapping[str, Any]) -> tuple[object, object, object]:
-    conditions = status.get("conditions")
-    for c in conditions if isinstance(conditions, list) else []:
-        if isinstance(c, Mapping) and c.get("type") == "Degraded":
-            return c.get("status"), c.get("reason"), c.get("message")
-    return None, None, None
-
-
-class _Conflict(Exception):
-    """An object with our name exists and is not ours."""
-
-
-def _live_replicas(deployment: Mapping[str, Any] | None, ref: ServiceRef) -> int | None:
-    if not deployment or _controller_uid(deployment) != ref.uid:
-        return None
-    value = _map(deployment.get("spec")).get("replicas")
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-class Serializer:
-    """Runs reconciles of one key one at a time, coalescing triggers.
-
-    :meth:`run` runs ``fn`` now and returns its result, after any run in progress
-    for the key; :meth:`nudge` asks for a run without waiting: if one is in
-    progress, it runs once more when done; otherwise ``fn`` runs now in the caller.
-    """
-
-    def __init__(self) -> None:
-        self._mutex = threading.Lock()
-        self._locks: dict[Key, threading.Lock] = {}
-        self._dirty: set[Key] = set()
-
-    def _lock(self, key: Key) -> threading.Lock:
-        with self._mutex:
-            return self._locks.setdefault(key, threading.Lock())
-
-    def run(self, key: Key, fn: Callable[[], Any]) -> Any:
-        lock = self._lock(key)
-        with lock:
-            with self._mutex:
-                self._dirty.discard(key)
-            result = fn()
-            self._drain(key, fn)
-            return result
-
-    def nudge(self, key: Key, fn: Callable[[], Any]) -> bool:
-        """Returns False when a run in progress will pick the nudge up instead."""
-        lock = self._lock(key)
-        if not lock.acquire(blocking=False):
-            with self._mutex:
-                self._dirty.add(key)
-            return False
-        try:
-            with self._mutex:
-                self._dirty.discard(key)
-            fn()
-            self._drain(key, fn)
-        finally:
-            lock.release()
-        return True
-
-    def _drain(self, key: Key, fn: Callable[[], Any]) -> None:
-        while True:
-            with self._mutex:
-                if key not in self._dirty:
-                    return
-                self._dirty.discard(key)
-            fn()
-
-    def forget(self, key: Key) -> None:
-        with self._mutex:
-            self._dirty.discard(key)
-            lock = self._locks.get(key)
-            if lock is not None and not lock.locked():
-                del self._locks[key]
