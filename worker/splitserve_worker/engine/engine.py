@@ -1,18 +1,21 @@
 """The synchronous engine: one thread calls ``add_request``/``step``/``abort`` and the
-remote-KV calls; :mod:`.async_engine` wraps it for asyncio servers."""
+remote-KV calls; :mod:`.async_engine` wraps it for asyncio servers.
+
+This module holds the request lifecycle and the step; the layer-wise prefill export
+is :mod:`.layerwise` and remote KV admission is :mod:`.remote_kv`."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from splitserve_worker.engine import identity
+from splitserve_worker.engine import identity, layerwise, remote_kv
 from splitserve_worker.engine.config import EngineConfig
-from splitserve_worker.engine.errors import NoCapacity, RequestError
+from splitserve_worker.engine.errors import RequestError
 from splitserve_worker.engine.kv_cache import KVCache, bytes_per_block
+from splitserve_worker.engine.layerwise import LayerCallback
 from splitserve_worker.engine.metrics import EngineMetrics
 from splitserve_worker.engine.model_runner import Chunk, ModelRunner, model_shape
 from splitserve_worker.engine.prefix_cache import KVCacheEvent, block_hashes
@@ -30,12 +33,10 @@ from splitserve_worker.engine.stopping import StopChecker
 from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.models import LoadedModel, torch_dtype
 
-LayerCallback = Callable[[int, torch.Tensor, torch.Tensor, int], None]
-"""``on_layer(layer_idx, k, v, start_token)``: K/V ``[n, kv_heads, head_dim]`` of prompt
-positions ``[start_token, start_token + n)`` of one layer."""
-
 FORWARD_ERRORS = (RuntimeError, ValueError, IndexError)
 """Errors of a model forward that fail the requests in that batch, not the engine."""
+
+__all__ = ["FORWARD_ERRORS", "Engine", "LayerCallback"]
 
 
 class Engine:
@@ -305,66 +306,7 @@ class Engine:
         :class:`NoCapacity` when the pool cannot hold the prompt now, and
         :class:`RequestError` for a bad request. Runs on the engine's thread.
         """
-        prompt = [int(t) for t in prompt_token_ids]
-        sampling = sampling or SamplingParams()
-        check = dataclasses.replace(sampling, max_tokens=1, min_tokens=0)
-        self._check_request(request_id, prompt, check)
-        seq = self._new_seq(request_id, prompt, sampling)
-        bs = self.block_size
-        hit: list[int] = []
-        blocks = self.kv.blocks
-        if self.config.enable_prefix_cache:
-            hit = blocks.lookup(seq.full_block_hashes(bs)[: (len(prompt) - 1) // bs])
-        need = blocks_for(len(prompt), bs) - len(hit)
-        reclaimed = sum(1 for b in hit if blocks.refcount(b) == 0)
-        if need + reclaimed > blocks.free_blocks:
-            raise NoCapacity(
-                f"prefill of {len(prompt)} tokens needs {need + reclaimed} free KV blocks, "
-                f"{blocks.free_blocks} free",
-                needed=need + reclaimed,
-                free=blocks.free_blocks,
-            )
-        blocks.touch(hit)
-        seq.block_table = [*hit, *blocks.allocate(need)]
-        seq.num_computed = seq.num_registered = len(hit)
-        seq.num_computed *= bs
-        seq.num_cached_tokens = seq.num_computed
-        seq.status = SeqStatus.RUNNING
-        if self.metrics is not None:
-            self.metrics.prefix(len(prompt), seq.num_cached_tokens)
-        try:
-            logits = self._export_forward(seq, on_layer)
-            self.scheduler.commit(seq, 0, cache=self.config.enable_prefix_cache)
-            rows = [SampleRow(sampling, seq.generator, self.stopper.suppressed(seq))]
-            tokens, logprobs = sample(logits, rows)
-        finally:
-            self.scheduler.free_blocks_of(seq)
-            seq.status = SeqStatus.FINISHED
-            self._update_gauges()
-        return PrefillResult(tokens[0], logprobs[0], seq.num_cached_tokens, len(prompt))
-
-    def _export_forward(self, seq: Sequence, on_layer: LayerCallback) -> torch.Tensor:
-        total = len(seq.tokens)
-        step = self.config.max_batch_tokens
-        logits = torch.empty(0)
-        first = True
-        while seq.num_computed < total:
-            start = seq.num_computed
-            end = min(total, start + step)
-            lo = 0 if first else start
-            slots = self.kv.slots(seq.block_table, lo, end)
-
-            def hand_over(layer: int, slots: torch.Tensor = slots, lo: int = lo) -> None:
-                k, v = self.kv.read(layer, slots)
-                on_layer(layer, k, v, lo)
-
-            chunk = Chunk(seq.block_table, start, seq.tokens[start:end], need_logits=end == total)
-            logits = self.runner.forward([chunk], after_layer=hand_over)
-            self.scheduler.commit(seq, end - start, cache=self.config.enable_prefix_cache)
-            if self.metrics is not None:
-                self.metrics.prefilled(end - start)
-            first = False
-        return logits
+        return layerwise.prefill_export(self, request_id, prompt_token_ids, sampling, on_layer)
 
     # ---- remote KV admission (decode role) ----
     def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int]:
@@ -374,21 +316,7 @@ class Engine:
         at offset ``p % block_size``). Raises :class:`NoCapacity` when blocks or batch slots
         are short, :class:`RequestError` for a bad size or a duplicate id.
         """
-        if request_id in self._seqs or request_id in self._reserved:
-            raise RequestError(f"request id {request_id!r} is already in use on this engine")
-        if not 0 < num_prompt_tokens < self.max_model_len:
-            raise RequestError(
-                f"num_prompt_tokens must be in [1, {self.max_model_len - 1}], "
-                f"got {num_prompt_tokens}"
-            )
-        if self.num_running + self.num_waiting + self.num_reserved >= self.config.max_num_seqs:
-            raise NoCapacity(
-                f"decode batch full ({self.config.max_num_seqs} sequences)",
-                free=self.kv.free_blocks,
-            )
-        ids = self._reserved.hold(request_id, num_prompt_tokens)
-        self._update_gauges()
-        return ids
+        return remote_kv.reserve(self, request_id, num_prompt_tokens)
 
     def reserved_blocks(self, request_id: str) -> list[int]:
         return list(self._reserved.get(request_id).blocks)
@@ -413,50 +341,16 @@ class Engine:
         ``first_token`` was already sent to the client by the prefill side; the next
         outputs of this request carry the tokens after it.
         """
-        r = self._reserved.get(request_id)
-        prompt = [int(t) for t in prompt_token_ids]
-        sampling = sampling or SamplingParams()
-        if len(prompt) != r.num_tokens:
-            raise RequestError(f"prompt has {len(prompt)} tokens but {r.num_tokens} were reserved")
-        self._reserved.take(request_id)
-        try:
-            self._check_request(request_id, prompt, sampling)
-        except RequestError:
-            self.kv.blocks.free(reversed(r.blocks))
-            self._update_gauges()
-            raise
-        seq = self._new_seq(request_id, prompt, sampling)
-        if seq.generator is not None:
-            # the prefill side drew the first token from the same seed: skip that draw
-            noise = torch.empty(self.shape.vocab_size, device=self.device)
-            noise.exponential_(1.0, generator=seq.generator)
-        seq.block_table = list(r.blocks)
-        self._seqs[request_id] = seq
-        self.scheduler.add_running(seq)
-        self.scheduler.commit(seq, len(prompt), cache=self.config.enable_prefix_cache)
-        seq.tokens.append(int(first_token))
-        reason, stop_reason = self.stopper.check(seq)
-        if reason is not None:
-            out = self._finish(seq, reason, stop_reason=stop_reason, emit=False)
-            self._pending.append(out)
-        self._update_gauges()
+        remote_kv.admit_prefilled(
+            self, request_id, prompt_token_ids, first_token, first_logprob, sampling
+        )
 
     def release(self, request_id: str) -> int:
         """Free what a request holds (reservation or sequence); returns blocks freed.
 
         Idempotent: 0 for an unknown or already released request.
         """
-        if request_id in self._reserved:
-            n = self._reserved.release(request_id)
-            self._update_gauges()
-            return n
-        seq = self._seqs.get(request_id)
-        if seq is None:
-            return 0
-        n = len(seq.block_table)
-        self._finish(seq, FinishReason.ABORT)
-        self._update_gauges()
-        return n
+        return remote_kv.release(self, request_id)
 
     # ---- metrics ----
     def _record_step(self, plan: StepPlan) -> None:

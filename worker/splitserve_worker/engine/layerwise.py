@@ -1,0 +1,95 @@
+"""Layer-wise prefill for the prefill role: compute a prompt, hand each layer's K/V over
+as soon as that layer is done, and sample the first token."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from splitserve_worker.engine.errors import NoCapacity
+from splitserve_worker.engine.model_runner import Chunk
+from splitserve_worker.engine.sampling import SampleRow, SamplingParams, sample
+from splitserve_worker.engine.scheduler import blocks_for
+from splitserve_worker.engine.sequence import PrefillResult, SeqStatus, Sequence
+
+if TYPE_CHECKING:
+    from splitserve_worker.engine.engine import Engine
+
+LayerCallback = Callable[[int, torch.Tensor, torch.Tensor, int], None]
+"""``on_layer(layer_idx, k, v, start_token)``: K/V ``[n, kv_heads, head_dim]`` of prompt
+positions ``[start_token, start_token + n)`` of one layer."""
+
+
+def prefill_export(
+    engine: Engine,
+    request_id: str,
+    prompt_token_ids: Iterable[int],
+    sampling: SamplingParams | None,
+    on_layer: LayerCallback,
+) -> PrefillResult:
+    """:meth:`Engine.prefill_export` (see there)."""
+    prompt = [int(t) for t in prompt_token_ids]
+    sampling = sampling or SamplingParams()
+    check = dataclasses.replace(sampling, max_tokens=1, min_tokens=0)
+    engine._check_request(request_id, prompt, check)
+    seq = engine._new_seq(request_id, prompt, sampling)
+    bs = engine.block_size
+    hit: list[int] = []
+    blocks = engine.kv.blocks
+    if engine.config.enable_prefix_cache:
+        hit = blocks.lookup(seq.full_block_hashes(bs)[: (len(prompt) - 1) // bs])
+    need = blocks_for(len(prompt), bs) - len(hit)
+    reclaimed = sum(1 for b in hit if blocks.refcount(b) == 0)
+    if need + reclaimed > blocks.free_blocks:
+        raise NoCapacity(
+            f"prefill of {len(prompt)} tokens needs {need + reclaimed} free KV blocks, "
+            f"{blocks.free_blocks} free",
+            needed=need + reclaimed,
+            free=blocks.free_blocks,
+        )
+    blocks.touch(hit)
+    seq.block_table = [*hit, *blocks.allocate(need)]
+    seq.num_computed = seq.num_registered = len(hit)
+    seq.num_computed *= bs
+    seq.num_cached_tokens = seq.num_computed
+    seq.status = SeqStatus.RUNNING
+    if engine.metrics is not None:
+        engine.metrics.prefix(len(prompt), seq.num_cached_tokens)
+    try:
+        logits = export_forward(engine, seq, on_layer)
+        engine.scheduler.commit(seq, 0, cache=engine.config.enable_prefix_cache)
+        rows = [SampleRow(sampling, seq.generator, engine.stopper.suppressed(seq))]
+        tokens, logprobs = sample(logits, rows)
+    finally:
+        engine.scheduler.free_blocks_of(seq)
+        seq.status = SeqStatus.FINISHED
+        engine._update_gauges()
+    return PrefillResult(tokens[0], logprobs[0], seq.num_cached_tokens, len(prompt))
+
+
+def export_forward(engine: Engine, seq: Sequence, on_layer: LayerCallback) -> torch.Tensor:
+    """Run a prompt's chunks, calling ``on_layer`` after each layer of each chunk."""
+    total = len(seq.tokens)
+    step = engine.config.max_batch_tokens
+    logits = torch.empty(0)
+    first = True
+    while seq.num_computed < total:
+        start = seq.num_computed
+        end = min(total, start + step)
+        lo = 0 if first else start
+        slots = engine.kv.slots(seq.block_table, lo, end)
+
+        def hand_over(layer: int, slots: torch.Tensor = slots, lo: int = lo) -> None:
+            k, v = engine.kv.read(layer, slots)
+            on_layer(layer, k, v, lo)
+
+        chunk = Chunk(seq.block_table, start, seq.tokens[start:end], need_logits=end == total)
+        logits = engine.runner.forward([chunk], after_layer=hand_over)
+        engine.scheduler.commit(seq, end - start, cache=engine.config.enable_prefix_cache)
+        if engine.metrics is not None:
+            engine.metrics.prefilled(end - start)
+        first = False
+    return logits
