@@ -18,7 +18,14 @@ Modules
 ``prefix``       the LRU prefix cache of 512-token blocks (``hash_ids``).
 ``config``       :class:`SimConfig` (pools, replicas, link, chunk size, ...),
                  :func:`roofline_config`.
-``instances``    prefill, decode and colocated engine instances.
+``decode_batch`` closed-form bookkeeping of a decode batch.
+``instance_base`` the abstract instance, its lifecycle states, decode spans.
+``instances``    prefill and decode engine instances (and every instance name).
+``colocated``    the colocated engine instance.
+``events``       the simulator's clock, event heap and shared state.
+``pools``        adding, resizing, draining and retiring instances.
+``routing``      the router and the request lifecycle.
+``windows``      per-window observations, GPU-seconds, the result.
 ``simulator``    :class:`Simulator`: event loop, router, resizable pools, windows.
 ``metrics``      :class:`Window` observations, :class:`SimResult`.
 ``goodput``      goodput search and the best prefill:decode split.
