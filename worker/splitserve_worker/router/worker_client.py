@@ -15,6 +15,7 @@ import grpc
 from splitserve.v1 import worker_pb2 as pb
 from splitserve.v1 import worker_pb2_grpc as pb_grpc
 
+from splitserve_worker.server.convert import sampling_to_proto
 from splitserve_worker.server.wire import CHANNEL_OPTIONS, auth_metadata
 
 
@@ -34,20 +35,7 @@ class Sampling:
     logprobs: bool = False
 
     def to_pb(self) -> pb.SamplingParams:
-        msg = pb.SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_tokens=self.max_tokens,
-            min_tokens=self.min_tokens,
-            ignore_eos=self.ignore_eos,
-            stop_token_ids=list(self.stop_token_ids),
-            stop=list(self.stop),
-            logprobs=self.logprobs,
-        )
-        if self.seed is not None:
-            msg.seed = self.seed
-        return msg
+        return sampling_to_proto(self)
 
 
 class WorkerConn(Protocol):

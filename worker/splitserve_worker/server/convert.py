@@ -17,9 +17,6 @@ if TYPE_CHECKING:
     from splitserve_worker.engine.sampling import SamplingParams
     from splitserve_worker.engine.sequence import RequestOutput
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "min_tokens", "ignore_eos",
-                   "logprobs")  # fmt: skip
-
 
 def sampling_to_proto(sp: Any) -> pb.SamplingParams:
     """From any object with the engine's ``SamplingParams`` fields (or a proto, as is)."""
