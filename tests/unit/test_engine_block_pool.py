@@ -26,6 +26,20 @@ def test_allocate_and_free_restore_the_free_count() -> None:
     pool.check_invariants()
 
 
+def test_allocation_is_ascending_even_after_tail_first_frees() -> None:
+    # sequences free their blocks tail first; handing them out again in that order
+    # would make every transfer of the next sequence's KV a list of one-block pieces
+    pool = BlockPool(16)
+    a = pool.allocate(6)
+    b = pool.allocate(6)
+    pool.free(reversed(a))
+    pool.free(reversed(b))
+    got = pool.allocate(10)
+    assert got == sorted(got) and len(set(got)) == 10
+    assert got == [0, 1, 2, 3, 4, 5, 12, 13, 14, 15]
+    pool.check_invariants()
+
+
 def test_double_free_is_refused() -> None:
     pool = BlockPool(2)
     (b,) = pool.allocate(1)

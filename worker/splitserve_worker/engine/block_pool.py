@@ -74,6 +74,10 @@ class BlockPool:
             out.append(b)
         if evicted:
             self._events.append(KVCacheEvent(EventKind.EVICTED, tuple(evicted)))
+        # ascending: neighbouring ids are neighbouring memory, so a sequence's KV forms
+        # long runs that a transfer moves in few large pieces (sequences free their blocks
+        # tail first, which would otherwise hand them out again in descending order)
+        out.sort()
         return out
 
     def free(self, blocks: Iterable[int]) -> None:
