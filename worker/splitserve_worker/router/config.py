@@ -104,6 +104,10 @@ class CostModelConfig:
     """Prompts with at most this many uncached tokens are always prefilled locally."""
     decode_stall_weight: float = 0.5
     """Cost of stalling one running decode sequence for one second, relative to TTFT."""
+    max_decode_stall_s: float = 0.1
+    """Longest local prefill (estimated compute) put on a decode worker that is decoding
+    other sequences: every one of them waits that long for its next token, so beyond this
+    the prompt goes to a prefill worker whatever the costs say (``inf``: no limit)."""
 
     def __post_init__(self) -> None:
         _positive("cost.prefill_tokens_per_s", self.prefill_tokens_per_s)
@@ -114,6 +118,7 @@ class CostModelConfig:
         _non_negative("cost.handoff_overhead_s", self.handoff_overhead_s)
         _non_negative("cost.short_prompt_tokens", self.short_prompt_tokens)
         _non_negative("cost.decode_stall_weight", self.decode_stall_weight)
+        _non_negative("cost.max_decode_stall_s", self.max_decode_stall_s)
 
 
 @dataclass(frozen=True)

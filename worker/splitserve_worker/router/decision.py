@@ -7,7 +7,10 @@ layer by layer) and a fixed handoff overhead. Local prefill on the chosen
 decode worker costs its uncached tokens at the decode worker's speed, the
 wait behind its own queue, plus the stall it inflicts on the sequences it is
 decoding (each running sequence waits for the whole local prefill), weighted
-by ``decode_stall_weight``.
+by ``decode_stall_weight``. A local prefill that would stall running sequences
+for longer than ``max_decode_stall_s`` is never chosen while a prefill worker can
+take it: that stall lands on every stream's next token, which is what
+disaggregation exists to prevent.
 """
 
 from __future__ import annotations
@@ -98,6 +101,14 @@ def decide(inp: DecisionInput, cost: CostModelConfig, policy: Policy = Policy.AU
     if uncached_local <= cost.short_prompt_tokens:
         return Decision(
             Where.LOCAL, "short or mostly cached on the decode worker", remote_s, local_s
+        )
+    if inp.decode_running > 0 and local_compute > cost.max_decode_stall_s:
+        return Decision(
+            Where.REMOTE,
+            f"local prefill would stall {inp.decode_running} running sequences for "
+            f"{local_compute:.3f} s (limit {cost.max_decode_stall_s:g} s)",
+            remote_s,
+            local_s,
         )
     if local_s < remote_s:
         return Decision(Where.LOCAL, "local prefill is cheaper", remote_s, local_s)
