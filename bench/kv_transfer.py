@@ -1,8 +1,11 @@
 """KV transfer throughput and overlap, measured side by side in one run on 127.0.0.1.
 
-1. ``grpc`` backend vs a plain TCP socket: the same 256 MiB (a KV pool of 8 layers,
+1. ``grpc`` backend vs a plain TCP socket: the same 256 MiB (the KV of 8 layers,
    8 KV heads, head dim 128, float32, 4,096 tokens) sent from this process into a
-   preallocated buffer in a receiver process. The ``grpc`` side runs the real transport:
+   preallocated buffer in a receiver process. The KV lands in a pool of twice that
+   size, in a block table the engine's own allocator hands out after churn (sequences
+   of random lengths allocated and freed until the free list is mixed): ``--blocks
+   reversed`` or ``ascending`` fix the order instead. The ``grpc`` side runs the real transport:
    ``GrpcSender.send_layer`` per layer (1 MiB messages), the worker's PushKV handler and
    ``GrpcReceiver.write`` into the reserved blocks of the pool. TCP: ``sendall`` of 1 MiB
    slices, ``recv_into`` a preallocated buffer, one byte back when all arrived.
@@ -18,12 +21,14 @@ Ends with ``RESULT grpc_vs_tcp=<r> nixl_vs_shm=<r> exposed_fraction=<f>``
 (targets: >= 0.8, >= 0.5, <= 0.2).
 
     .venv/bin/python bench/kv_transfer.py [--repeats 3] [--model smollm2-135m] [--skip-model]
+        [--blocks churn|reversed|ascending]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import multiprocessing as mp
 import os
 import socket
@@ -41,6 +46,7 @@ import torch
 
 LAYERS, HEADS, DIM, TOKENS, BLOCK = 8, 8, 128, 4096, 16
 NBYTES = LAYERS * 2 * TOKENS * HEADS * DIM * 4  # 256 MiB
+POOL_BLOCKS = 2 * TOKENS // BLOCK
 TOKEN = "bench-token"
 CHUNK = 1 << 20
 
@@ -52,7 +58,38 @@ def _compat() -> Any:
 
 
 def _pool() -> torch.Tensor:
-    return torch.zeros(LAYERS, 2, TOKENS // BLOCK, BLOCK, HEADS, DIM)
+    return torch.zeros(LAYERS, 2, POOL_BLOCKS, BLOCK, HEADS, DIM)
+
+
+def block_table(order: str, seed: int = 0) -> list[int]:
+    """The blocks one 4,096-token reservation gets in the receiver's pool."""
+    import random
+
+    from splitserve_worker.engine.block_pool import BlockPool
+
+    need = TOKENS // BLOCK
+    if order == "ascending":
+        return list(range(need))
+    if order == "reversed":
+        return list(range(need))[::-1]
+    # churn: sequences of 1-64 blocks come and go (each freed tail first, as the
+    # engine frees them) until a third of the pool has been reused several times
+    rng = random.Random(seed)
+    pool = BlockPool(POOL_BLOCKS)
+    live: list[list[int]] = []
+    for _ in range(400):
+        n = rng.randint(1, 64)
+        while live and (pool.free_blocks < n or rng.random() < 0.5):
+            pool.free(reversed(live.pop(rng.randrange(len(live)))))
+        live.append(pool.allocate(n))
+    for seq in live:
+        pool.free(reversed(seq))
+    return pool.allocate(need)
+
+
+def runs(blocks: list[int]) -> int:
+    """How many runs of consecutive ascending ids the table holds."""
+    return 1 + sum(b != a + 1 for a, b in itertools.pairwise(blocks))
 
 
 def _source() -> torch.Tensor:
@@ -112,13 +149,14 @@ async def _kv_receiver_async(backend: str, q_out: Any, q_in: Any) -> None:
     add_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    blocks = list(range(TOKENS // BLOCK))[::-1]  # scattered order: real block tables are
     q_out.put((f"127.0.0.1:{port}", receiver.backend_metadata()))
     loop = asyncio.get_running_loop()
+    blocks: list[int] = []
     while True:
-        rid = await loop.run_in_executor(None, q_in.get)
-        if rid is None:
+        msg = await loop.run_in_executor(None, q_in.get)
+        if msg is None:
             break
+        rid, blocks = msg if isinstance(msg, tuple) else (msg, blocks)
         if rid.startswith("check:"):
             lease = leases.get(rid[6:])
             # as Commit does: the data is in place once every layer is reported arrived
@@ -165,9 +203,10 @@ class TcpRun:
 class BackendRun:
     """A receiver process holding a pool; each run pushes all layers into fresh leases."""
 
-    def __init__(self, backend: str, src: torch.Tensor) -> None:
+    def __init__(self, backend: str, src: torch.Tensor, blocks: list[int]) -> None:
         from splitserve_worker.kv.transport import BackendContext, create_sender_backend
 
+        self._blocks = blocks
         ctx = mp.get_context("spawn")
         self._q_out, self._q_in = ctx.Queue(), ctx.Queue()
         self._p = ctx.Process(target=_kv_receiver, args=(backend, self._q_out, self._q_in),
@@ -187,7 +226,7 @@ class BackendRun:
 
         self._i += 1
         rid = f"{self._backend}-{self._i}"
-        self._q_in.put(rid)
+        self._q_in.put((rid, self._blocks))
         lease_id, blocks = self._q_out.get(timeout=60)
         target = TransferTarget(rid, lease_id, self._address, tuple(blocks), TOKENS,
                                 self._compat.hash, self._metadata)  # fmt: skip
@@ -315,20 +354,29 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--prompt-len", type=int, default=2000)
     ap.add_argument("--skip-model", action="store_true", help="skip the overlap measurement")
+    ap.add_argument(
+        "--blocks",
+        choices=("churn", "reversed", "ascending"),
+        default="churn",
+        help="the receiving block table: the allocator's after churn, or fixed",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     from splitserve_worker.kv.transport import unavailable_reason
 
     src = _source()
-    print(f"payload: {NBYTES / 2**20:.0f} MiB ({LAYERS} layers x {TOKENS} tokens)", flush=True)
-    grpc_gbs, tcp = side_by_side(BackendRun("grpc", src), TcpRun(src, args.repeats + 2),
+    blocks = block_table(args.blocks)
+    print(f"payload: {NBYTES / 2**20:.0f} MiB ({LAYERS} layers x {TOKENS} tokens) into "
+          f"{len(blocks)} blocks of a {POOL_BLOCKS}-block pool ({args.blocks}: {runs(blocks)} "
+          f"runs of consecutive blocks)", flush=True)  # fmt: skip
+    grpc_gbs, tcp = side_by_side(BackendRun("grpc", src, blocks), TcpRun(src, args.repeats + 2),
                                  args.repeats)  # fmt: skip
     print(f"grpc backend {grpc_gbs:.2f} GB/s   plain TCP {tcp:.2f} GB/s", flush=True)
     nixl_reason = unavailable_reason("nixl")
     if nixl_reason:
         nixl_gbs, shm = float("nan"), side_by_side(ShmRun(src), ShmRun(src), args.repeats)[0]
     else:
-        nixl_gbs, shm = side_by_side(BackendRun("nixl", src), ShmRun(src), args.repeats)
+        nixl_gbs, shm = side_by_side(BackendRun("nixl", src, blocks), ShmRun(src), args.repeats)
     print(f"nixl backend {nixl_gbs:.2f} GB/s   shared-memory copy {shm:.2f} GB/s"
           + (f"  (nixl skipped: {nixl_reason})" if nixl_reason else ""), flush=True)  # fmt: skip
     exposed = float("nan")
