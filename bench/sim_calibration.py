@@ -371,6 +371,7 @@ def simulate(
         decode_per_ctx_s=cost.decode_per_ctx_s,
     )
     pool = PoolConfig(cost=stack_cost, kv_capacity_tokens=capacity, max_seqs=64, gpu="cpu")
+    speed = 1.0 / (cost.prefill_per_token_s + cost.prefill_base_s / 200)  # ~200-token prompts
     cfg = SimConfig(
         model=load_model_spec(model),
         pools={Role.PREFILL: pool, Role.DECODE: pool},
@@ -383,7 +384,8 @@ def simulate(
         max_prefill_tokens=2048,  # the engine's max_batch_tokens
         prefix_caching=False,
         router_overhead_s=over.first_token_s,
-        local_prefill=LocalPrefill(),  # the router's defaults (RouterConfig().cost)
+        # the router's rule with the speed it learns from the prefill workers' answers
+        local_prefill=LocalPrefill(prefill_tokens_per_s=speed, decode_prefill_tokens_per_s=speed),
     )
     sim = Simulator(cfg, w)
     res = sim.run()

@@ -43,9 +43,10 @@ def test_long_prompt_on_busy_decode_goes_remote() -> None:
     assert d.local_s == pytest.approx(5.0)
 
 
-def test_long_prompt_on_idle_decode_with_busy_prefill_goes_local() -> None:
+def test_long_prompt_on_idle_decode_with_busy_prefill_goes_local_without_the_limit() -> None:
     # remote: 3 s wait + 1.11 s; local: 1.0 s and nobody to stall
-    d = decide(DecisionInput(num_prompt_tokens=1000, prefill_wait_s=3.0), COST)
+    free = CostModelConfig(**{**COST.__dict__, "max_decode_stall_s": float("inf")})
+    d = decide(DecisionInput(num_prompt_tokens=1000, prefill_wait_s=3.0), free)
     assert d.where is Where.LOCAL
     assert d.remote_s == pytest.approx(4.11)
     assert d.local_s == pytest.approx(1.0)
@@ -61,19 +62,19 @@ def test_slow_link_keeps_prefill_local() -> None:
     assert d.where is Where.LOCAL
 
 
-def test_a_long_stall_of_running_sequences_goes_remote_whatever_the_costs() -> None:
+def test_a_long_local_prefill_goes_remote_whatever_the_costs() -> None:
     # remote: 3 s wait + 1.11 s = 4.11 s; local: 1.0 + 0.5 * 1 * 1.0 = 1.5 s, cheaper, but
-    # the one running sequence would wait 1.0 s for its next token (limit 0.1 s)
+    # it would hold the decode worker for 1.0 s (limit 0.1 s): every stream there waits
     busy_prefill = DecisionInput(num_prompt_tokens=1000, prefill_wait_s=3.0, decode_running=1)
     d = decide(busy_prefill, COST)
-    assert d.where is Where.REMOTE and "stall 1 running sequences for 1.000 s" in d.reason
+    assert d.where is Where.REMOTE and "hold the decode worker for 1.000 s" in d.reason
     assert d.local_s < d.remote_s
-    # a stall within the limit (100 tokens: 0.1 s) is weighed by the costs as before
+    # idle now, but streams arriving during the prefill would wait as well
+    idle = DecisionInput(num_prompt_tokens=1000, prefill_wait_s=3.0)
+    assert decide(idle, COST).where is Where.REMOTE
+    # a prefill within the limit (100 tokens: 0.1 s) is weighed by the costs as before
     short = DecisionInput(num_prompt_tokens=100, prefill_wait_s=3.0, decode_running=1)
     assert decide(short, COST).where is Where.LOCAL
-    # nothing running: nothing to stall
-    idle = DecisionInput(num_prompt_tokens=1000, prefill_wait_s=3.0)
-    assert decide(idle, COST).where is Where.LOCAL
     # no prefill worker: local anyway
     alone = DecisionInput(num_prompt_tokens=1000, decode_running=1, prefill_available=False)
     assert decide(alone, COST).where is Where.LOCAL

@@ -142,7 +142,7 @@ class LocalPrefill:
     handoff_overhead_s: float = 0.005
     decode_stall_weight: float = 0.5
     max_decode_stall_s: float = 0.1
-    """Never prefill locally beside running sequences when it takes longer than this."""
+    """Never prefill locally when it would hold the decode worker longer than this."""
     exposed_s_per_token: float = 0.0
     """The router's estimate of exposed transfer per prompt token (0: KV size unknown)."""
 
@@ -158,7 +158,7 @@ class LocalPrefill:
             + self.handoff_overhead_s
         )
         compute = prompt / self.decode_prefill_tokens_per_s
-        if decode_running > 0 and compute > self.max_decode_stall_s:
+        if compute > self.max_decode_stall_s:
             return False
         local = (
             decode_waiting * compute + compute + self.decode_stall_weight * decode_running * compute

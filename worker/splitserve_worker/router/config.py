@@ -105,9 +105,10 @@ class CostModelConfig:
     decode_stall_weight: float = 0.5
     """Cost of stalling one running decode sequence for one second, relative to TTFT."""
     max_decode_stall_s: float = 0.1
-    """Longest local prefill (estimated compute) put on a decode worker that is decoding
-    other sequences: every one of them waits that long for its next token, so beyond this
-    the prompt goes to a prefill worker whatever the costs say (``inf``: no limit)."""
+    """Longest local prefill (estimated compute) put on a decode worker: every stream
+    decoding there, now or arriving meanwhile, waits that long for its next token, so
+    beyond this the prompt goes to a prefill worker whatever the costs say
+    (``inf``: no limit)."""
 
     def __post_init__(self) -> None:
         _positive("cost.prefill_tokens_per_s", self.prefill_tokens_per_s)

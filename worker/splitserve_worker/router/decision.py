@@ -7,10 +7,10 @@ layer by layer) and a fixed handoff overhead. Local prefill on the chosen
 decode worker costs its uncached tokens at the decode worker's speed, the
 wait behind its own queue, plus the stall it inflicts on the sequences it is
 decoding (each running sequence waits for the whole local prefill), weighted
-by ``decode_stall_weight``. A local prefill that would stall running sequences
-for longer than ``max_decode_stall_s`` is never chosen while a prefill worker can
-take it: that stall lands on every stream's next token, which is what
-disaggregation exists to prevent.
+by ``decode_stall_weight``. A local prefill longer than ``max_decode_stall_s`` is
+never chosen while a prefill worker can take it: it holds back the next token of
+every stream decoding there, now or arriving during it, which is the
+interference disaggregation exists to remove.
 """
 
 from __future__ import annotations
@@ -102,11 +102,11 @@ def decide(inp: DecisionInput, cost: CostModelConfig, policy: Policy = Policy.AU
         return Decision(
             Where.LOCAL, "short or mostly cached on the decode worker", remote_s, local_s
         )
-    if inp.decode_running > 0 and local_compute > cost.max_decode_stall_s:
+    if local_compute > cost.max_decode_stall_s:
         return Decision(
             Where.REMOTE,
-            f"local prefill would stall {inp.decode_running} running sequences for "
-            f"{local_compute:.3f} s (limit {cost.max_decode_stall_s:g} s)",
+            f"local prefill would hold the decode worker for {local_compute:.3f} s "
+            f"(limit {cost.max_decode_stall_s:g} s)",
             remote_s,
             local_s,
         )
