@@ -8,7 +8,8 @@
 2. Start the real stack (``splitserve up --model M --prefill 1 --decode 1``)
    and send probes one at a time, before and after the replay: on an idle
    stack (the router prefills them on the decode worker) and beside a
-   background decode (the router sends them to the prefill worker). What their
+   background decode (the router sends them to the prefill worker); and six at
+   once, timed once all six decode (what streaming adds per sequence). What their
    TTFT and TPOT exceed the engine's own times by is the stack's overhead
    (router, HTTP, gRPC streaming), and what a remote handoff adds. Replay a
    Poisson workload against ``/v1/completions`` with streaming, timing TTFT
@@ -57,7 +58,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -255,6 +256,8 @@ class Timing:
     ttft: float
     tpot: float
     tokens: int
+    stamps: list[float] = field(default_factory=list)
+    """When each streamed chunk with tokens arrived (``time.perf_counter``)."""
 
 
 async def complete(client, base: str, prompt: list[int], max_tokens: int) -> Timing:  # type: ignore[no-untyped-def]
@@ -264,6 +267,7 @@ async def complete(client, base: str, prompt: list[int], max_tokens: int) -> Tim
     }  # fmt: skip
     t0 = time.perf_counter()
     first, last, n = None, t0, 0
+    stamps: list[float] = []
     async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"completion failed: {r.status_code} {(await r.aread())[:300]!r}")
@@ -280,15 +284,17 @@ async def complete(client, base: str, prompt: list[int], max_tokens: int) -> Tim
                     first = first or now
                     last = now
                     n += k
+                    stamps.append(now)
     if first is None:
         raise RuntimeError("no tokens streamed")
-    return Timing(first - t0, (last - first) / (n - 1) if n > 1 else 0.0, n)
+    return Timing(first - t0, (last - first) / (n - 1) if n > 1 else 0.0, n, stamps)
 
 
 PROBE_PROMPT, PROBE_OUTPUT = 160, 17
+PROBE_BATCH, PROBE_BATCH_OUTPUT = 6, 48
 
 
-async def probe(base: str, vocab: int, seed: int) -> tuple[list[Timing], list[Timing]]:
+async def probe(base: str, vocab: int, seed: int) -> tuple[list[Timing], list[Timing], float]:
     """Requests sent one at a time: on an idle stack (the router prefills them on
     the decode worker), and beside one long background decode (it hands them to
     the prefill worker: a local prefill would stall that sequence)."""
@@ -308,7 +314,22 @@ async def probe(base: str, vocab: int, seed: int) -> tuple[list[Timing], list[Ti
             await asyncio.sleep(1.0)
             remote.append(await complete(client, base, prompt(), 4))
             await bg
-    return idle, remote
+        batch = await asyncio.gather(
+            *(complete(client, base, prompt(), PROBE_BATCH_OUTPUT) for _ in range(PROBE_BATCH))
+        )
+    return idle, remote, batch_tpot(list(batch))
+
+
+def batch_tpot(batch: list[Timing]) -> float:
+    """Median time per token once every request of the batch is decoding: the tokens
+    before the batch's last first token also wait for the others' prefills."""
+    start = max(t.stamps[0] for t in batch)
+    per: list[float] = []
+    for t in batch:
+        after = [x for x in t.stamps if x >= start]
+        if len(after) > 1:
+            per.append((after[-1] - after[0]) / (len(after) - 1))
+    return float(np.median(per)) if per else float("nan")
 
 
 @dataclass(frozen=True)
@@ -324,16 +345,25 @@ class Overheads:
     handoff_s: float
     """What a remote prefill adds to a local one (Reserve, Prefill, the push,
     Commit): the link's latency."""
+    decode_per_seq_s: float = 0.0
+    """What each further sequence in the batch adds (the batch probe)."""
 
 
-def overheads(idle: list[Timing], remote: list[Timing], cost: MeasuredCost) -> Overheads:
+def overheads(
+    idle: list[Timing], remote: list[Timing], batch: list[float], cost: MeasuredCost
+) -> Overheads:
     p = PROBE_PROMPT
     prefill = cost.step_time(p, p * (p + 1) / 2, 1, 0, 0)
     step = cost.step_time(0, 0, 0, 1, p + PROBE_OUTPUT / 2)
     first = max(0.0, float(np.median([t.ttft for t in idle])) - prefill)
     per_step = max(0.0, float(np.median([t.tpot for t in idle])) - step)
     handoff = max(0.0, float(np.median([t.ttft for t in remote])) - prefill - first)
-    return Overheads(first, per_step, handoff)
+    b = PROBE_BATCH
+    # the steady part of the batch: contexts from about half to all of the output
+    step_b = cost.step_time(0, 0, 0, b, b * (p + 0.75 * PROBE_BATCH_OUTPUT))
+    per_step_b = max(0.0, float(np.median(batch)) - step_b)
+    per_seq = max(0.0, (per_step_b - per_step) / (b - 1))
+    return Overheads(first, per_step, handoff, per_seq)
 
 
 async def replay(base: str, w: Workload, prompts: list[list[int]]) -> list[Timing]:
@@ -366,8 +396,8 @@ def simulate(
         prefill_base_s=cost.prefill_base_s,
         prefill_per_token_s=cost.prefill_per_token_s,
         prefill_per_pair_s=cost.prefill_per_pair_s,
-        decode_base_s=cost.decode_base_s + over.decode_step_s,
-        decode_per_seq_s=cost.decode_per_seq_s,
+        decode_base_s=cost.decode_base_s + max(0.0, over.decode_step_s - over.decode_per_seq_s),
+        decode_per_seq_s=cost.decode_per_seq_s + over.decode_per_seq_s,
         decode_per_ctx_s=cost.decode_per_ctx_s,
     )
     pool = PoolConfig(cost=stack_cost, kv_capacity_tokens=capacity, max_seqs=64, gpu="cpu")
@@ -450,12 +480,12 @@ def run(args: argparse.Namespace, tmp: str) -> None:
 
         with stack(path, free_port()) as base:
             p0 = time.monotonic()
-            idle, remote = asyncio.run(probe(base, vocab, args.seed + 2))
+            idle, remote, batch = asyncio.run(probe(base, vocab, args.seed + 2))
             r0 = time.monotonic()
             real = asyncio.run(replay(base, w, prompts))
             r1 = time.monotonic()
             print(f"replayed in {r1 - r0:.0f} s")
-            idle2, remote2 = asyncio.run(probe(base, vocab, args.seed + 4))
+            idle2, remote2, batch2 = asyncio.run(probe(base, vocab, args.seed + 4))
             p1 = time.monotonic()
             print(f"probed in {r0 - p0 + p1 - r1:.0f} s")
         # the engine again, after: fit on both, so drift in the machine's load averages out
@@ -471,10 +501,11 @@ def run(args: argparse.Namespace, tmp: str) -> None:
         f"x{gauge.mean(p0, r0) / g_measure:.2f} while probing, "
         f"x{gauge.mean(r0, r1) / g_measure:.2f} while replaying"
     )
-    over = overheads(idle + idle2, remote + remote2, measured)
+    over = overheads(idle + idle2, remote + remote2, [batch, batch2], measured)
     print(
         f"stack overheads (probes before and after): first token "
-        f"+{over.first_token_s * 1000:.1f} ms, decode step +{over.decode_step_s * 1000:.1f} ms, "
+        f"+{over.first_token_s * 1000:.1f} ms, decode step +{over.decode_step_s * 1000:.1f} ms "
+        f"(+{over.decode_per_seq_s * 1000:.2f} ms per further sequence), "
         f"remote handoff +{over.handoff_s * 1000:.1f} ms"
     )
     r_ttft = np.array([t.ttft for t in real])
