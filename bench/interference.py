@@ -214,11 +214,21 @@ def run_setup(
     return results, (alone_l.ttft or 0.0, alone_s.tpot or 0.0)
 
 
-def summarize(name: str, outs: list[Outcome], slo: Slo) -> dict[str, float]:
+def tpots(outs: list[Outcome]) -> list[float]:
+    """TPOT of each request that streamed more than one token."""
+    return [o.tpot for o in outs if o.error is None and o.tpot is not None and o.tokens > 1]
+
+
+def ratio(disagg: float, colocated: float) -> float:
+    # nothing met the SLO colocated: a ratio means nothing unless disaggregated did
+    return disagg / colocated if colocated > 0 else float("inf") if disagg > 0 else float("nan")
+
+
+def summarize(name: str, outs: list[Outcome], slo: Slo) -> None:
     ok = [o for o in outs if o.error is None and o.ttft is not None]
     errs = [o for o in outs if o.error is not None]
     ttft = [o.ttft for o in ok if o.ttft is not None]
-    tpot = [o.tpot for o in ok if o.tpot is not None and o.tokens > 1]
+    tpot = tpots(ok)
     res = {
         "ttft_p50": pct(ttft, 50),
         "ttft_p90": pct(ttft, 90),
@@ -240,7 +250,6 @@ def summarize(name: str, outs: list[Outcome], slo: Slo) -> dict[str, float]:
         print(f"  short-prompt TPOT mean {statistics.fmean(short_tpot) * 1e3:.1f} ms; "
               f"long-prompt TTFT mean {statistics.fmean(long_ttft):.3f} s")  # fmt: skip
     print(f"  {attainment(outs, slo):.0%} of requests met the SLO")
-    return res
 
 
 def plot(results: dict[str, list[Outcome]], path: Path, args: argparse.Namespace, slo: Slo) -> None:
@@ -345,23 +354,19 @@ def main() -> int:
         g = {n: goodput({x: attainment(o, slo_at(scale)) for x, o in r.items()})
              for n, r in runs.items()}  # fmt: skip
         (gc, hc), (gd, hd) = g["colocated"], g["disaggregated"]
-        ratio = gd / gc if gc > 0 else float("inf")
         mark = "  <- stated SLO" if scale == args.slo_tpot_scale else ""
         print(f"  x{scale:<5g} TPOT <= {scale * base_tpot * 1e3:5.0f} ms: colocated {gc:.3f} "
-              f"({hc}), disaggregated {gd:.3f} ({hd}), ratio {ratio:.2f}{mark}")  # fmt: skip
+              f"({hc}), disaggregated {gd:.3f} ({hd}), "
+              f"ratio {ratio(gd, gc):.2f}{mark}")  # fmt: skip
         if scale == args.slo_tpot_scale:
             good = {"colocated": gc, "disaggregated": gd}
-    p99 = {}
-    for name, r in runs.items():
-        every = [o.tpot for outs in r.values() for o in outs if o.tpot is not None and o.tokens > 1]
-        p99[name] = pct(every, 99)
+    p99 = {name: pct(tpots([o for outs in r.values() for o in outs]), 99)
+           for name, r in runs.items()}  # fmt: skip
     c, d = p99["colocated"], p99["disaggregated"]
     print(f"\nTPOT p99 over all {sum(len(o) for o in runs['colocated'].values())} requests: "
           f"colocated {c * 1e3:.1f} ms, disaggregated {d * 1e3:.1f} ms")  # fmt: skip
     tpot_ratio = d / c if c > 0 else float("nan")
-    gc, gd = good["colocated"], good["disaggregated"]
-    # nothing met the SLO colocated: a ratio means nothing unless disaggregated did
-    good_ratio = gd / gc if gc > 0 else float("inf") if gd > 0 else float("nan")
+    good_ratio = ratio(good["disaggregated"], good["colocated"])
     print(f"RESULT tpot_p99_disagg_vs_colocated={tpot_ratio:.3f} "
           f"goodput_disagg_vs_colocated={good_ratio:.3f}")  # fmt: skip
     return 0

@@ -151,23 +151,22 @@ async def _kv_receiver_async(backend: str, q_out: Any, q_in: Any) -> None:
     await server.start()
     q_out.put((f"127.0.0.1:{port}", receiver.backend_metadata()))
     loop = asyncio.get_running_loop()
-    blocks: list[int] = []
     while True:
         msg = await loop.run_in_executor(None, q_in.get)
         if msg is None:
             break
-        rid, blocks = msg if isinstance(msg, tuple) else (msg, blocks)
-        if rid.startswith("check:"):
-            lease = leases.get(rid[6:])
+        if isinstance(msg, str):  # "check:<rid>"
+            lease = leases.get(msg[6:])
             # as Commit does: the data is in place once every layer is reported arrived
             ok = await asyncio.to_thread(receiver.wait_layers, lease, 30)
-            leases.pop(rid[6:])
-            k, v = PoolView(pool).read(LAYERS - 1, blocks, 0, TOKENS)
+            leases.pop(msg[6:])
+            k, v = PoolView(pool).read(LAYERS - 1, lease.block_ids, 0, TOKENS)
             q_out.put((ok, float(k.sum() + v.sum())))
             continue
+        rid, blocks = msg
         lease = leases.add(rid, blocks, num_tokens=TOKENS, num_layers=LAYERS, ttl=600,
                            backend=backend)  # fmt: skip
-        q_out.put((lease.lease_id, blocks))
+        q_out.put(lease.lease_id)
     receiver.close()
     await server.stop(0)
 
@@ -227,8 +226,8 @@ class BackendRun:
         self._i += 1
         rid = f"{self._backend}-{self._i}"
         self._q_in.put((rid, self._blocks))
-        lease_id, blocks = self._q_out.get(timeout=60)
-        target = TransferTarget(rid, lease_id, self._address, tuple(blocks), TOKENS,
+        lease_id = self._q_out.get(timeout=60)
+        target = TransferTarget(rid, lease_id, self._address, tuple(self._blocks), TOKENS,
                                 self._compat.hash, self._metadata)  # fmt: skip
         t0 = time.perf_counter()
         sender = self._sender.open(target)

@@ -114,17 +114,13 @@ class BareGrpc:
         self._p.join(10)
 
 
-def _nixl_agent(name: str) -> Any:
-    from splitserve_worker.kv.nixl_common import make_agent
-
-    return make_agent(name)
-
-
 def _nixl_target(out: Any, stop: Any) -> None:
     import queue
 
     torch.set_num_threads(1)
-    agent = _nixl_agent("ceiling-target")
+    from splitserve_worker.kv.nixl_common import make_agent
+
+    agent = make_agent("ceiling-target")
     buf = torch.zeros(NBYTES, dtype=torch.uint8)
     agent.register_memory(buf)
     out.put((agent.get_agent_metadata(), buf.data_ptr()))
@@ -144,7 +140,9 @@ def bare_nixl(src: torch.Tensor, repeats: int) -> dict[str, float]:
     p = ctx.Process(target=_nixl_target, args=(out, stop), daemon=True)
     p.start()
     metadata, remote_base = out.get(timeout=120)
-    agent = _nixl_agent("ceiling-init")
+    from splitserve_worker.kv.nixl_common import make_agent
+
+    agent = make_agent("ceiling-init")
     flat = src.view(torch.uint8).reshape(-1)
     agent.register_memory(flat)
     peer = agent.add_remote_agent(metadata)
@@ -212,13 +210,12 @@ def main() -> None:
     shm_gbs = NBYTES / min(shm.once() for _ in range(args.repeats)) / 1e9
     shm.close()
     print(f"shared-memory copy: {shm_gbs:.2f} GB/s")
-    nixl_top = float("nan")
+    nixl = {} if reason else bare_nixl(src, args.repeats)
     if reason:
         print(f"bare NIXL skipped: {reason}")
-    else:
-        for label, gbs in bare_nixl(src, args.repeats).items():
-            print(f"bare NIXL {label}: {gbs:.2f} GB/s ({gbs / shm_gbs:.2f} of the copy)")
-            nixl_top = gbs if nixl_top != nixl_top else max(nixl_top, gbs)
+    for label, gbs in nixl.items():
+        print(f"bare NIXL {label}: {gbs:.2f} GB/s ({gbs / shm_gbs:.2f} of the copy)")
+    nixl_top = max(nixl.values(), default=float("nan"))
     print(f"RESULT bare_grpc_vs_tcp={top / tcp_gbs:.3f} bare_nixl_vs_shm={nixl_top / shm_gbs:.3f}")
 
 
