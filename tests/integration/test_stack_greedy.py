@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from splitserve_worker.commands.up import WorkerProcs
+from splitserve_worker.kv.transport import unavailable_reason
 from splitserve_worker.router.config import RouterConfig
 from splitserve_worker.router.discovery import StaticDiscovery, WorkerEndpoint
 from splitserve_worker.router.local import RouterThread
@@ -26,6 +27,7 @@ PROMPTS = [[5, 17, 99, 3, 42], list(range(10, 50)), [(i * 7919) % 250 for i in r
 MAX_TOKENS = 12
 
 ALWAYS_REMOTE = "always"  # disaggregate every request these stacks can
+NIXL_SKIP = unavailable_reason("nixl")
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +58,16 @@ def reference(tiny_model_path: Path) -> list[list[int]]:
         )
         out.append(gen[0, len(p) :].tolist())
     return out
+
+
+@pytest.fixture(scope="module")
+def nixl_workers(tiny_model_path: Path) -> Iterator[tuple[str, WorkerProcs]]:
+    token = secrets.token_hex(8)
+    roles = [Role.PREFILL, Role.DECODE]
+    with WorkerProcs(str(tiny_model_path), roles, token, threads=1, kv_backend="nixl",
+                     extra_args=["--metrics-port", "0"], echo=False) as procs:  # fmt: skip
+        procs.start(timeout_s=300)
+        yield token, procs
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +144,37 @@ def test_greedy_tokens_equal_transformers(
         assert made.get("local", 0) == 2 * len(PROMPTS) and made.get("remote", 0) == 0
     else:
         assert sum(made.values()) == 2 * len(PROMPTS)
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(NIXL_SKIP is not None, reason=NIXL_SKIP or "")
+def test_greedy_tokens_equal_transformers_over_nixl(
+    nixl_workers: tuple[str, WorkerProcs], tokenizer: Any, reference: Any
+) -> None:
+    """What `splitserve up --kv-backend nixl` runs: the router reserves with kv_backend=nixl
+    and every prompt's KV moves by NIXL writes, none over gRPC."""
+    token, procs = nixl_workers
+    eps = [wp.endpoint for wp in procs.procs]
+    with router(token, tokenizer, eps, disaggregation=ALWAYS_REMOTE, kv_backend="nixl") as base:
+        for prompt, want in zip(PROMPTS, reference, strict=True):
+            assert complete(base, prompt, stream=True) == want
+        made = decisions(base)
+    assert made.get("remote", 0) == len(PROMPTS) and made.get("local", 0) == 0
+    moved = {}
+    for wp in procs.procs:
+        assert wp.metrics_port is not None
+        moved.update(_kv_bytes(httpx.get(f"http://127.0.0.1:{wp.metrics_port}/metrics").text))
+    assert moved.get(("nixl", "sent"), 0) > 0, moved
+    assert moved.get(("nixl", "received")) == moved[("nixl", "sent")], moved
+    assert not any(backend == "grpc" and n for (backend, _), n in moved.items()), moved
+
+
+def _kv_bytes(text: str) -> dict[tuple[str, str], float]:
+    """KV bytes a worker moved, by (backend, direction), from its Prometheus text."""
+    found = re.findall(
+        r'splitserve_kv_transfer_bytes_total\{backend="(\w+)",direction="(\w+)"\} (\S+)', text
+    )
+    return {(b, d): float(v) for b, d, v in found}
 
 
 def test_chat_and_text_prompt_through_disaggregated_stack(

@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from splitserve_worker.commands.worker import METRICS_PREFIX, READY_PREFIX
 from splitserve_worker.router.discovery import WorkerEndpoint
 from splitserve_worker.router.scoring import Role
 
 DEMO_QUESTION = "What is the capital of France? Answer in one short sentence."
-READY_PREFIX = "READY "
 
 
 class StackError(RuntimeError):
@@ -54,6 +54,8 @@ class WorkerProc:
     role: Role
     proc: subprocess.Popen[str]
     address: str | None = None
+    metrics_port: int | None = None
+    """The worker's Prometheus port, when it was started with ``--metrics-port``."""
     ready: threading.Event = field(default_factory=threading.Event)
     tail: list[str] = field(default_factory=list)
 
@@ -123,6 +125,8 @@ class WorkerProcs(AbstractContextManager["WorkerProcs"]):
         for line in wp.proc.stdout:
             line = line.rstrip("\n")
             wp.tail = [*wp.tail[-40:], line]
+            if line.startswith(METRICS_PREFIX) and wp.metrics_port is None:
+                wp.metrics_port = int(line[len(METRICS_PREFIX) :])
             if line.startswith(READY_PREFIX) and not wp.ready.is_set():
                 wp.address = line[len(READY_PREFIX) :].strip().split()[0]
                 wp.ready.set()

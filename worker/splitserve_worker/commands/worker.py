@@ -1,7 +1,8 @@
 """``splitserve worker``: one worker process (prefill, decode or both) serving ``splitserve.v1``.
 
-Prints one line ``READY <host:port>`` on stdout once it serves, then runs until SIGTERM or
-SIGINT, when it stops taking calls, lets running ones finish for a moment, and exits.
+Prints one line ``READY <host:port>`` on stdout once it serves (preceded by
+``METRICS <port>`` when it serves Prometheus metrics), then runs until SIGTERM or SIGINT,
+when it stops taking calls, lets running ones finish for a moment, and exits.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from splitserve_worker.server.auth import TOKEN_ENV, TokenError, load_token
 from splitserve_worker.server.config import KV_BACKENDS, ROLES, ConfigError, WorkerConfig
 
 READY_PREFIX = "READY "
+METRICS_PREFIX = "METRICS "
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,6 +88,8 @@ async def serve(config: WorkerConfig) -> int:
     if config.kv_backend == "nixl" and config.host in ("127.0.0.1", "localhost"):
         nixl_loopback_env()
     worker = await start_worker(config)
+    if worker.metrics_port is not None:
+        print(f"{METRICS_PREFIX}{worker.metrics_port}", flush=True)
     print(f"{READY_PREFIX}{worker.address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

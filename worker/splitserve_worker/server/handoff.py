@@ -227,6 +227,8 @@ class DecodeHandoff:
                     f"request {req.request_id!r}: KV of layers {bad} failed its checksum; "
                     "its blocks are freed",
                 )
+        if lease.backend != "grpc":  # gRPC counts its bytes as they arrive
+            self._bytes.labels(lease.backend, "received").inc(lease.bytes_received)
         first_logprob = req.first_token_logprob
         self.leases.commit(lease, req.first_token, first_logprob)
         lease.expires_at = max(lease.expires_at, time.monotonic() + self.lease_seconds)
