@@ -26,7 +26,7 @@ from splitserve_worker.router.discovery import StaticDiscovery, WorkerEndpoint
 from splitserve_worker.router.local import RouterThread
 from splitserve_worker.router.scoring import Role
 from splitserve_worker.router.service import RouterService
-from splitserve_worker.router.worker_client import GrpcWorkerConn
+from splitserve_worker.server.client import WorkerClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -83,7 +83,7 @@ class Stack:
 
     def free_blocks(self, eps: list[WorkerEndpoint]) -> dict[str, tuple[int, int]]:
         async def one(ep: WorkerEndpoint) -> tuple[int, int]:
-            conn = GrpcWorkerConn(ep.address, self.token)
+            conn = WorkerClient(ep.address, self.token)
             try:
                 h = await conn.health(5.0)
                 return h.free_blocks, h.running + h.waiting

@@ -62,12 +62,15 @@ class MemWorker:
         yield pb.KVEvent()
 
     async def reserve(
-        self, request_id: str, n: int, compat: Any, lease_s: float, kv_backend: str, timeout: float
+        self,
+        request_id: str,
+        n: int,
+        compat: Any = None,
+        lease_seconds: float = 0.0,
+        kv_backend: str = "",
+        timeout: float | None = None,
     ) -> pb.TransferHandle:
         return pb.TransferHandle(request_id=request_id, decode_address=self.address)
-
-    async def release(self, request_id: str, reason: str, timeout: float) -> int:
-        return 0
 
     async def prefill(
         self,

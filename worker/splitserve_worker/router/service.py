@@ -16,7 +16,7 @@ from splitserve_worker.router.discovery import Discovery, WorkerEndpoint
 from splitserve_worker.router.dispatch import Dispatcher
 from splitserve_worker.router.planner import RoutePlanner
 from splitserve_worker.router.pool import ConnFactory, WorkerPool
-from splitserve_worker.router.worker_client import GrpcWorkerConn
+from splitserve_worker.server.client import WorkerClient
 
 
 def engine_block_hashes(block_size: int) -> Any:
@@ -43,8 +43,8 @@ class RouterService:
         self.planner = RoutePlanner(cfg)
         token = cfg.worker_token
 
-        def default_connect(ep: WorkerEndpoint) -> GrpcWorkerConn:
-            return GrpcWorkerConn(ep.address, token)
+        def default_connect(ep: WorkerEndpoint) -> WorkerClient:
+            return WorkerClient(ep.address, token)
 
         self.pool = WorkerPool(
             self.connect or default_connect,
