@@ -142,3 +142,26 @@ def test_preemption_under_a_tiny_pool_keeps_tokens_right(
     assert preempted, "the pool was meant to be too small for all of them at once"
     assert engine.kv.free_blocks == engine.kv.total_blocks
     engine.kv.blocks.check_invariants()
+
+
+def test_long_and_short_contexts_decode_together(tiny: LoadedModel) -> None:
+    """Contexts this far apart are attended in separate groups (no padding to the longest);
+    every sequence still gets transformers' tokens, and they all decode in the same steps."""
+    from splitserve_worker.engine.model_runner import SPLIT_MIN_CTX, decode_groups
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (600, 4, 23, 310, 9)]
+    assert len(decode_groups([len(p) for p in prompts])) > 1 and SPLIT_MIN_CTX <= 600
+    want = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = tiny.model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                do_sample=False, pad_token_id=tiny.tokenizer.pad_token_id,
+            )  # fmt: skip
+            want.append(out[0, len(p) :].tolist())
+    engine = Engine(tiny, EngineConfig(num_blocks=200, enable_prefix_cache=False))
+    got = _run(engine, prompts)
+    assert [got[f"r{i}"] for i in range(len(prompts))] == want
+    assert engine.kv.free_blocks == engine.kv.total_blocks

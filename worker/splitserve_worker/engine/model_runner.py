@@ -181,10 +181,22 @@ class ModelRunner:
     def _decode_attention(
         self, d: _Decode, q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor
     ) -> torch.Tensor:
-        kd = _gather(kb, d.tables, d.lmax)
-        vd = _gather(vb, d.tables, d.lmax)
+        if len(d.groups) == 1:
+            return self._group_attention(d.groups[0], q, kb, vb)
+        out = torch.empty_like(q)
+        for g in d.groups:
+            assert g.index is not None
+            out.index_copy_(0, g.index, self._group_attention(g, q.index_select(0, g.index),
+                                                              kb, vb))  # fmt: skip
+        return out
+
+    def _group_attention(
+        self, g: _DecodeGroup, q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor
+    ) -> torch.Tensor:
+        kd = _gather(kb, g.tables, g.lmax)
+        vd = _gather(vb, g.tables, g.lmax)
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), kd, vd, attn_mask=d.mask, scale=self.scaling, enable_gqa=True
+            q.unsqueeze(2), kd, vd, attn_mask=g.mask, scale=self.scaling, enable_gqa=True
         )
         return o.squeeze(2)
 
@@ -210,13 +222,55 @@ class _Prefill:
     mask: torch.Tensor | None
 
 
+PAD_LIMIT = 1.25
+"""Decode attention pads every sequence of a group to the group's longest context; a
+group takes the next (shorter) sequence only while the padded work stays within this
+factor of the real work. A short sequence beside a long one gets its own group: padding
+it would cost as much as attending over the long one again (on one core, a decode step of
+SmolLM2-135M with contexts 1024, 1024, 64, 64, 64, 64 took 137-144 ms padded, 76 ms
+grouped)."""
+
+SPLIT_MIN_CTX = 256
+"""Groups whose longest context is shorter than this are never split: their padding
+costs less than another attention call per layer."""
+
+
+@dataclass
+class _DecodeGroup:
+    index: torch.Tensor | None
+    """Positions of the group's sequences in the decode batch; None: all, in order."""
+    tables: torch.Tensor
+    """``[b, nblk]`` block tables, padded with block 0 (masked out)."""
+    lmax: int
+    mask: torch.Tensor
+    """``[b, 1, 1, lmax]``: True where a sequence has context."""
+
+
 @dataclass
 class _Decode:
     rows: torch.Tensor
-    tables: torch.Tensor
-    """``[B, nblk]`` block tables, padded with block 0 (masked out)."""
-    lmax: int
-    mask: torch.Tensor
+    groups: list[_DecodeGroup]
+
+
+def decode_groups(
+    lens: Sequence[int], pad_limit: float = PAD_LIMIT, split_min: int = SPLIT_MIN_CTX
+) -> list[list[int]]:
+    """Indices of ``lens`` grouped for padded attention, longest first: each group's
+    ``size * longest`` stays within ``pad_limit`` times the sum of its lengths, unless its
+    longest is under ``split_min``."""
+    groups: list[list[int]] = []
+    total = 0
+    for i in sorted(range(len(lens)), key=lambda j: -lens[j]):
+        g = groups[-1] if groups else None
+        if g is not None and (
+            lens[g[0]] < split_min or (len(g) + 1) * lens[g[0]] <= pad_limit * (total + lens[i])
+        ):
+            g.append(i)
+            total += lens[i]
+        else:
+            groups.append([i])
+            total = lens[i]
+    return groups
 
 
 @dataclass
@@ -267,16 +321,13 @@ class _Plan:
         decode: _Decode | None = None
         if decode_chunks:
             lens = [c.start + 1 for c in decode_chunks]
-            lmax = max(lens)
-            nblk = (lmax + bs - 1) // bs
-            tables = torch.tensor(
-                [list(c.block_table[:nblk]) + [0] * (nblk - min(nblk, len(c.block_table)))
-                 for c in decode_chunks],
-                dtype=torch.long,
-                device=device,
-            )  # fmt: skip
-            mask = torch.arange(lmax).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
-            decode = _Decode(tensor(decode_rows), tables, lmax, mask[:, None, None, :].to(device))
+            groups = decode_groups(lens)
+            if len(groups) == 1:  # the whole batch, in its own order
+                parts = [_group(decode_chunks, None, bs, device)]
+            else:
+                parts = [_group([decode_chunks[i] for i in g], tensor(g), bs, device)
+                         for g in groups]  # fmt: skip
+            decode = _Decode(tensor(decode_rows), parts)
         return _Plan(
             input_ids=tensor(ids),
             positions=tensor(pos),
@@ -285,3 +336,19 @@ class _Plan:
             decode=decode,
             prefills=prefills,
         )
+
+
+def _group(
+    chunks: Sequence[Chunk], index: torch.Tensor | None, bs: int, device: torch.device
+) -> _DecodeGroup:
+    lens = [c.start + 1 for c in chunks]
+    lmax = max(lens)
+    nblk = (lmax + bs - 1) // bs
+    tables = torch.tensor(
+        [list(c.block_table[:nblk]) + [0] * (nblk - min(nblk, len(c.block_table)))
+         for c in chunks],
+        dtype=torch.long,
+        device=device,
+    )  # fmt: skip
+    m = torch.arange(lmax).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+    return _DecodeGroup(index, tables, lmax, m[:, None, None, :].to(device))
