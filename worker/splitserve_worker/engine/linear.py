@@ -48,11 +48,12 @@ def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 MIN_ROWS = 4
-"""Inputs with fewer rows are padded with zero rows up to this many. For one or two rows
-oneDNN takes a path that reads the packed weight once per row, slower than its blocked
-kernel from four rows: a decode step of SmolLM2-135M on one core took 54 ms with one
-sequence, 60 with two and 49 with three, and 45-48 with each padded to four. Decode is
-bound by reading the weights, so the padded rows' arithmetic costs nothing measurable."""
+"""Inputs with fewer rows are padded with zero rows up to this many. oneDNN runs one or
+two rows on a slower path than three or more (in a profile of a two-sequence step every
+matmul took about a third longer than with three): a decode step of SmolLM2-135M on one
+core took 54 ms with one sequence, 60 with two and 49 with three, and 45-48 with each
+padded to four. Decode is bound by reading the weights, so the padded rows' arithmetic
+costs nothing measurable."""
 
 
 class PackedLinear:

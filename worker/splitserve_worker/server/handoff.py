@@ -227,10 +227,12 @@ class DecodeHandoff:
                     f"request {req.request_id!r}: KV of layers {bad} failed its checksum; "
                     "its blocks are freed",
                 )
-        if lease.backend != "grpc":  # gRPC counts its bytes as they arrive
-            self._bytes.labels(lease.backend, "received").inc(lease.bytes_received)
         first_logprob = req.first_token_logprob
+        # gRPC counts its bytes as they arrive; the others once, at their first Commit
+        counted = lease.backend == "grpc" or lease.state is not State.RESERVED
         self.leases.commit(lease, req.first_token, first_logprob)
+        if not counted:
+            self._bytes.labels(lease.backend, "received").inc(lease.bytes_received)
         lease.expires_at = max(lease.expires_at, time.monotonic() + self.lease_seconds)
         ev = self._committed.get(req.request_id)
         if ev is not None:
