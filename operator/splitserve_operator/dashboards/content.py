@@ -10,90 +10,23 @@ real workers.
 from __future__ import annotations
 
 import splitserve_worker.metrics.names as n
-from prometheus_client.utils import floatToGoString
 
-from splitserve_operator.dashboards.grafana import Dashboard, Panel, Row, Target, Variable
-from splitserve_operator.prometheus import DEFAULT_SELECTOR
-
-RATE = "$__rate_interval"
-WORKERS = DEFAULT_SELECTOR.format(namespace="$namespace", name="$service")
-"""Worker and router series of the chosen InferenceService."""
-OPERATOR = 'namespace="$namespace",service="$service"'
-"""The operator's series about the chosen InferenceService (its own labels)."""
-BY_ROLE = "role"
-QUANTILES = (0.5, 0.9, 0.99)
-SLO_BUCKETS = tuple(floatToGoString(b) for b in n.LATENCY_BUCKETS)
-"""Histogram ``le`` values as prometheus_client writes them ("1.0", "0.05")."""
-
-
-def match(label: str, value: str, op: str = "=") -> str:
-    """One PromQL label matcher, ``label="value"``."""
-    return label + op + '"' + value + '"'
-
-
-def _sel(base: str, extra: str = "") -> str:
-    return "{" + ",".join(p for p in (base, extra) if p) + "}"
-
-
-def quantile(spec: n.MetricSpec, q: float, by: str = "", extra: str = "") -> str:
-    group = f"le, {by}" if by else "le"
-    return (
-        f"histogram_quantile({q:g}, sum by ({group}) "
-        f"(rate({spec.name}_bucket{_sel(WORKERS, extra)}[{RATE}])))"
-    )
-
-
-def rate(spec: n.MetricSpec, by: str = "", extra: str = "", base: str = WORKERS) -> str:
-    group = f" by ({by})" if by else ""
-    return f"sum{group} (rate({spec.name}{_sel(base, extra)}[{RATE}]))"
-
-
-def gauge(spec: n.MetricSpec, by: str = "", extra: str = "", base: str = WORKERS) -> str:
-    group = f" by ({by})" if by else ""
-    return f"sum{group} ({spec.name}{_sel(base, extra)})"
-
-
-def attainment(spec: n.MetricSpec, slo_var: str) -> str:
-    """Fraction of requests at or under the SLO bucket chosen in ``slo_var``."""
-    return (
-        f"sum(rate({spec.name}_bucket{_sel(WORKERS, match('le', '$' + slo_var))}[{RATE}])) / "
-        f"sum(rate({spec.name}_count{_sel(WORKERS)}[{RATE}]))"
-    )
-
-
-def slo_line(objective: str) -> Target:
-    return Target(f"max({n.SLO_TARGET.name}{_sel(OPERATOR, match('objective', objective))})", "SLO")
-
-
-VARIABLES = (
-    Variable("datasource", "Prometheus", kind="datasource"),
-    Variable(
-        "namespace",
-        "Namespace",
-        f"label_values({n.REPLICAS_DESIRED.name}, namespace)",
-        description="Namespace of the InferenceService",
-    ),
-    Variable(
-        "service",
-        "InferenceService",
-        f'label_values({n.REPLICAS_DESIRED.name}{{namespace="$namespace"}}, service)',
-    ),
-)
-SLO_VARIABLES = (
-    Variable(
-        "ttft_slo",
-        "TTFT SLO (s)",
-        kind="custom",
-        options=("1.0", *(b for b in SLO_BUCKETS if b != "1.0")),
-        description="A histogram bucket bound: attainment counts requests at or under it",
-    ),
-    Variable(
-        "tpot_slo",
-        "TPOT SLO (s)",
-        kind="custom",
-        options=("0.05", *(b for b in SLO_BUCKETS if b != "0.05")),
-        description="A histogram bucket bound: attainment counts requests at or under it",
-    ),
+from splitserve_operator.dashboards.grafana import Dashboard, Panel, Row, Target
+from splitserve_operator.dashboards.queries import (
+    BY_ROLE,
+    OPERATOR,
+    QUANTILES,
+    RATE,
+    SLO_VARIABLES,
+    VARIABLES,
+    WORKERS,
+    attainment,
+    gauge,
+    match,
+    quantile,
+    rate,
+    selector,
+    slo_line,
 )
 
 
@@ -300,7 +233,8 @@ def pools() -> Dashboard:
                         "GPU utilisation",
                         (
                             Target(
-                                f"{n.GPU_UTILIZATION.name}{_sel(WORKERS)}", "{{pod}} gpu {{gpu}}"
+                                f"{n.GPU_UTILIZATION.name}{selector(WORKERS)}",
+                                "{{pod}} gpu {{gpu}}",
                             ),
                         ),
                         "percentunit",
@@ -311,7 +245,8 @@ def pools() -> Dashboard:
                         "GPU memory used",
                         (
                             Target(
-                                f"{n.GPU_MEMORY_USED.name}{_sel(WORKERS)}", "{{pod}} gpu {{gpu}}"
+                                f"{n.GPU_MEMORY_USED.name}{selector(WORKERS)}",
+                                "{{pod}} gpu {{gpu}}",
                             ),
                         ),
                         "bytes",
@@ -371,7 +306,7 @@ def kv_transfer() -> Dashboard:
                         (
                             Target(
                                 f"sum by (backend) (rate({n.KV_TRANSFER_DURATION.name}_count"
-                                f"{_sel(WORKERS)}[{RATE}]))",
+                                f"{selector(WORKERS)}[{RATE}]))",
                                 "{{backend}}",
                             ),
                         ),
@@ -394,7 +329,7 @@ def kv_transfer() -> Dashboard:
                             Target(
                                 f"{rate(n.KV_TRANSFER_BYTES, by, match('direction', 'sent'))} / "
                                 f"sum by (backend) (rate({n.KV_TRANSFER_DURATION.name}_count"
-                                f"{_sel(WORKERS)}[{RATE}]))",
+                                f"{selector(WORKERS)}[{RATE}]))",
                                 "{{backend}}",
                             ),
                         ),
@@ -436,7 +371,7 @@ def planner() -> Dashboard:
                             Target(
                                 f"sum by (pool, direction) (increase("
                                 f"{n.PLANNER_DECISIONS.name}"
-                                f"{_sel(OPERATOR, match('direction', 'hold', '!='))}[{RATE}]))",
+                                f"{selector(OPERATOR, match('direction', 'hold', '!='))}[{RATE}]))",
                                 "{{pool}} {{direction}}",
                             ),
                         ),
