@@ -13,12 +13,11 @@ from typing import Protocol
 
 from splitserve.v1 import worker_pb2 as pb
 
-from splitserve_worker.server.convert import sampling_to_proto
-
 
 @dataclass(frozen=True)
 class Sampling:
-    """Sampling parameters as sent to workers (mirrors the engine's SamplingParams)."""
+    """Sampling parameters as sent to workers (mirrors the engine's SamplingParams; the
+    client turns them into the proto with ``server.convert.sampling_to_proto``)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -30,9 +29,6 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     logprobs: bool = False
-
-    def to_pb(self) -> pb.SamplingParams:
-        return sampling_to_proto(self)
 
 
 class WorkerConn(Protocol):
