@@ -76,19 +76,20 @@ VARIABLES = (
         f'label_values({n.REPLICAS_DESIRED.name}{{namespace="$namespace"}}, service)',
     ),
 )
+
+
+def _slo_variable(name: str, label: str, default: str) -> Variable:
+    """A choice of latency histogram bucket bound, ``default`` first."""
+    return Variable(
+        name,
+        label,
+        kind="custom",
+        options=(default, *(b for b in SLO_BUCKETS if b != default)),
+        description="A histogram bucket bound: attainment counts requests at or under it",
+    )
+
+
 SLO_VARIABLES = (
-    Variable(
-        "ttft_slo",
-        "TTFT SLO (s)",
-        kind="custom",
-        options=("1.0", *(b for b in SLO_BUCKETS if b != "1.0")),
-        description="A histogram bucket bound: attainment counts requests at or under it",
-    ),
-    Variable(
-        "tpot_slo",
-        "TPOT SLO (s)",
-        kind="custom",
-        options=("0.05", *(b for b in SLO_BUCKETS if b != "0.05")),
-        description="A histogram bucket bound: attainment counts requests at or under it",
-    ),
+    _slo_variable("ttft_slo", "TTFT SLO (s)", "1.0"),
+    _slo_variable("tpot_slo", "TPOT SLO (s)", "0.05"),
 )
