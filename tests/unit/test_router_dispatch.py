@@ -15,7 +15,7 @@ import grpc
 import pytest
 from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.metrics.registry import Metrics
-from splitserve_worker.router.config import RouterConfig, TimeoutConfig
+from splitserve_worker.router.config import QueueConfig, RouterConfig, TimeoutConfig
 from splitserve_worker.router.discovery import WorkerEndpoint
 from splitserve_worker.router.dispatch import Dispatcher, GenRequest, RequestFailed
 from splitserve_worker.router.planner import RoutePlanner
@@ -45,11 +45,16 @@ class MemWorker:
         self.fail_prefill: grpc.StatusCode | None = None
         self.fail_generate_after: int | None = None  # tokens before the stream breaks
         self.fail_code = grpc.StatusCode.UNAVAILABLE
+        self.fail_health = False
+        self.prefill_gate: asyncio.Event | None = None  # prefill waits for it when set
         self.cancelled: list[str] = []
+        self.reserved: list[str] = []
         self.generated: list[tuple[str, tuple[int, ...], int]] = []
         self.prefilled: list[str] = []
 
     async def health(self, timeout: float) -> pb.HealthResponse:
+        if self.fail_health:
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer")
         return pb.HealthResponse(
             role=ROLES[self.role],
             free_blocks=100,
@@ -70,6 +75,7 @@ class MemWorker:
         kv_backend: str = "",
         timeout: float | None = None,
     ) -> pb.TransferHandle:
+        self.reserved.append(request_id)
         return pb.TransferHandle(request_id=request_id, decode_address=self.address)
 
     async def prefill(
@@ -81,6 +87,8 @@ class MemWorker:
         timeout: float,
     ) -> pb.PrefillResponse:
         self.prefilled.append(request_id)
+        if self.prefill_gate is not None:
+            await self.prefill_gate.wait()
         if self.fail_prefill is not None:
             raise rpc_error(self.fail_prefill, "prefill broke")
         return pb.PrefillResponse(request_id=request_id, first_token=next_token(prompt))
@@ -146,14 +154,64 @@ def expected(prompt: list[int], n: int) -> list[int]:
 REMOTE = "always"
 
 
-async def test_prefill_failure_retries_on_another_prefill_worker_and_frees_reservation() -> None:
+@pytest.mark.parametrize("p1_answers_health", [False, True])
+async def test_prefill_failure_retries_on_another_prefill_worker_and_frees_reservation(
+    p1_answers_health: bool,
+) -> None:
     p1, p2, d1 = MemWorker("p1", "prefill"), MemWorker("p2", "prefill"), MemWorker("d1", "decode")
-    p1.fail_prefill = grpc.StatusCode.UNAVAILABLE
     disp = await make([p1, p2, d1], disaggregation=REMOTE)
+    p1.fail_prefill = grpc.StatusCode.UNAVAILABLE
+    p1.fail_health = not p1_answers_health
     assert await run(disp, [1, 2, 3], 5) == expected([1, 2, 3], 5)
     assert p1.prefilled == ["r.0"] and p2.prefilled == ["r.1"]
     assert "r.0" in d1.cancelled and "r.0" in p1.cancelled  # the failed attempt is ended everywhere
-    assert not disp.pool.snapshot()[0].healthy  # p1 (sorted first) is marked down
+    # p1 (sorted first) is marked down only when it does not answer Health either: a
+    # prefill that failed while both workers answer (a lease run out under load) is the
+    # request's failure, and must not take a working prefill worker out of the pool
+    assert disp.pool.snapshot()[0].healthy is p1_answers_health
+
+
+async def test_prefill_failure_with_decode_not_answering_blames_the_decode_worker() -> None:
+    p1, d1, d2 = MemWorker("p1", "prefill"), MemWorker("d1", "decode"), MemWorker("d2", "decode")
+    disp = await make([p1, d1, d2], disaggregation=REMOTE)
+    p1.fail_prefill = grpc.StatusCode.UNAVAILABLE
+    d1.fail_health = True
+    # p1 fails every prefill: d1 does not answer (down), d2 does (p1 is then only excluded
+    # for this request), and the request ends prefilled on d2 itself
+    assert await run(disp, [1, 2, 3], 5) == expected([1, 2, 3], 5)
+    views = {v.name: v.healthy for v in disp.pool.snapshot()}
+    assert views["p1"] and not views["d1"]
+
+
+async def test_worker_lost_while_waiting_for_a_prefill_slot_is_planned_around() -> None:
+    p1, d1, d2 = MemWorker("p1", "prefill"), MemWorker("d1", "decode"), MemWorker("d2", "decode")
+    disp = await make(
+        [p1, d1, d2], disaggregation=REMOTE, queues=QueueConfig(prefill_slots_per_worker=1)
+    )
+    p1.prefill_gate = asyncio.Event()
+    first = asyncio.create_task(run(disp, [1, 2], 3))  # holds the only prefill slot
+    while not p1.prefilled:
+        await asyncio.sleep(0.001)
+    target = "d1" if p1.prefilled[0] not in d1.reserved else "d2"
+    second = asyncio.create_task(
+        _collect(disp.generate(GenRequest("s", (4, 5), Sampling(max_tokens=3))))
+    )
+    while disp.prefill_stage.waiting == 0:
+        await asyncio.sleep(0.001)
+    # the waiting request was planned onto the idle decode worker; that worker goes down
+    disp.pool.mark_failed(target, "test: lost while the request waited")
+    p1.prefill_gate.set()
+    assert await first == expected([1, 2], 3)
+    assert await second == expected([4, 5], 3)
+    lost = d1 if target == "d1" else d2
+    assert not any(r.startswith("s.") for r in lost.reserved), lost.reserved
+
+
+async def _collect(gen: AsyncIterator[Any]) -> list[int]:
+    out: list[int] = []
+    async for ev in gen:
+        out += ev.token_ids
+    return out
 
 
 async def test_decode_lost_before_first_token_retries_elsewhere() -> None:

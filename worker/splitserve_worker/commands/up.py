@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import secrets
@@ -40,13 +39,6 @@ DEMO_QUESTION = "What is the capital of France? Answer in one short sentence."
 
 class StackError(RuntimeError):
     """The local stack could not start; the message says which part and why."""
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when this process dies (Linux)."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -98,7 +90,8 @@ class WorkerProcs(AbstractContextManager["WorkerProcs"]):
             sys.executable, "-m", "splitserve_worker.cli", "worker",
             "--role", role.value, "--model", self.model, "--host", "127.0.0.1", "--port", "0",
             "--token-file", str(self.token_file), "--threads", str(self.threads),
-            "--kv-backend", self.kv_backend, *self.extra_args,
+            "--kv-backend", self.kv_backend, "--parent-pid", str(os.getpid()),
+            *self.extra_args,
         ]  # fmt: skip
 
     def _spawn(self, role: Role) -> WorkerProc:
@@ -114,7 +107,6 @@ class WorkerProcs(AbstractContextManager["WorkerProcs"]):
             bufsize=1,
             env=env,
             start_new_session=True,  # Ctrl-C reaches us; we stop the children in order
-            preexec_fn=_die_with_parent,
         )
         wp = WorkerProc(role, proc)
         threading.Thread(target=self._read, args=(wp, len(self.procs)), daemon=True).start()

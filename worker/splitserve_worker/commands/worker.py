@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import os
 import signal
 import sys
 
@@ -57,6 +59,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in a batch")
     p.add_argument("--checksums", action="store_true", help="crc32 every pushed KV layer")
+    p.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="exit when this process exits (Linux parent-death signal; set by launchers)",
+    )
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGTERM this process when ``parent_pid`` (its parent) exits, and exit now if it has.
+
+    Launchers pass their own pid instead of arming the signal in a ``preexec_fn``: a
+    ``preexec_fn`` forces a full fork that runs gRPC's fork handlers in the child, which
+    can crash it before ``exec`` (grpc/grpc#43055).
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if libc.prctl(1, signal.SIGTERM) != 0:  # PR_SET_PDEATHSIG
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        raise SystemExit(f"error: parent process {parent_pid} is gone; exiting")
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -101,6 +125,8 @@ async def serve(config: WorkerConfig) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.parent_pid is not None:
+        die_with_parent(args.parent_pid)
     try:
         config = config_from_args(args)
     except (TokenError, ConfigError, ValueError) as e:

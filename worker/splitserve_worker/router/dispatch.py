@@ -10,6 +10,12 @@ lost before the first token retries on another; one lost mid-stream migrates
 (prompt plus the tokens so far, prefilled elsewhere). After ``max_retries``
 the request ends with :class:`RequestFailed`. However an attempt ends, a
 cleanup task cancels it on every worker it touched, so no KV stays held.
+
+A remote attempt waits for a prefill slot before it touches any worker; when one
+of its planned workers went unhealthy during that wait, it is planned again
+(without counting as a failure) rather than sent to a worker known to be down.
+A prefill that fails is blamed on the worker that does not answer Health; when
+both answer, neither is marked unhealthy (a lease that ran out under load).
 """
 
 from __future__ import annotations
@@ -80,6 +86,14 @@ class RequestFailed(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+MAX_REPLANS = 8
+"""Most re-plans of one request because a planned worker went down while it waited."""
+
+
+class _Stale(Exception):
+    """A planned worker went unhealthy while the attempt waited: plan again."""
 
 
 class _AttemptFailed(Exception):
@@ -155,6 +169,7 @@ class Dispatcher:
             failed: set[str] = set()
             failures = 0
             attempt = 0
+            replans = 0
             while True:
                 prompt = req.prompt + tuple(produced)
                 sampling = replace(
@@ -179,6 +194,13 @@ class Dispatcher:
                     raise _AttemptFailed(
                         plan.decode.worker.name, "decode_lost", "stream ended early", lost=True
                     )
+                except _Stale:
+                    replans += 1
+                    if replans <= MAX_REPLANS:
+                        continue
+                    raise RequestFailed(
+                        503, "the workers planned for this request kept going down; retry later"
+                    ) from None
                 except _AttemptFailed as e:
                     failures += 1
                     failed.add(e.worker)
@@ -215,6 +237,11 @@ class Dispatcher:
     ) -> AsyncGenerator[TokenEvent, None]:
         t = self.config.timeouts
         d_name = plan.decode.worker.name
+        if plan.prefill is not None:
+            await self.prefill_stage.acquire()  # before any worker is touched
+            if not (self.pool.healthy(d_name) and self.pool.healthy(plan.prefill.worker.name)):
+                self.prefill_stage.release()
+                raise _Stale()
         dconn = self.pool.conn(d_name)
         touched: list[WorkerConn] = [dconn]
         finished = False
@@ -228,15 +255,13 @@ class Dispatcher:
                 touched.append(pconn)
                 self.pool.assign(p_name, +1)
                 try:
-                    async with self.prefill_stage.slot():
-                        # the lease covers the expected prefill with room to spare
-                        lease = max(self.config.timeouts.lease_s, 3 * plan.decision.remote_s)
-                        handle = await self._reserve(dconn, d_name, p_name, rid, len(prompt), lease)
-                        pump = self._start(dconn, rid, prompt, sampling, True, queue)
-                        await self._prefill(
-                            pconn, p_name, dconn, d_name, rid, prompt, sampling, handle
-                        )
+                    # the lease covers the expected prefill with room to spare
+                    lease = max(self.config.timeouts.lease_s, 3 * plan.decision.remote_s)
+                    handle = await self._reserve(dconn, d_name, p_name, rid, len(prompt), lease)
+                    pump = self._start(dconn, rid, prompt, sampling, True, queue)
+                    await self._prefill(pconn, p_name, dconn, d_name, rid, prompt, sampling, handle)
                 finally:
+                    self.prefill_stage.release()
                     self.pool.assign(p_name, -1)
             else:
                 pump = self._start(dconn, rid, prompt, sampling, False, queue)
@@ -340,14 +365,14 @@ class Dispatcher:
                 msg = f"the prefill worker refused the request: {e.details()}"
                 raise RequestFailed(400, msg) from None
             # the push reaches the decode worker: when it is down, it is the one to blame
-            try:
-                await dconn.health(t.connect_s)
-            except (grpc.RpcError, TimeoutError):
+            if not await self._answers(dconn):
                 raise _AttemptFailed(
                     d_name, "decode_lost", "decode worker unreachable during the push", lost=True
                 ) from None
+            # both answer: the request failed (say its lease ran out under load), not a worker
+            lost = code in _LOST and not await self._answers(pconn)
             raise _AttemptFailed(
-                p_name, "prefill_failed", f"Prefill: {_details(e)}", lost=code in _LOST
+                p_name, "prefill_failed", f"Prefill: {_details(e)}", lost=lost
             ) from None
         self.planner.estimator.observe_prefill(
             len(prompt) - resp.num_cached_tokens,
@@ -355,6 +380,13 @@ class Dispatcher:
             resp.bytes_sent,
             resp.transfer_seconds,
         )
+
+    async def _answers(self, conn: WorkerConn) -> bool:
+        try:
+            await conn.health(self.config.timeouts.connect_s)
+        except (grpc.RpcError, TimeoutError, OSError):
+            return False
+        return True
 
     def _spawn_cleanup(self, rid: str, conns: list[WorkerConn]) -> None:
         async def cleanup() -> None:
