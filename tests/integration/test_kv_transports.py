@@ -131,3 +131,38 @@ def test_a_stale_lease_is_refused(backend: str) -> None:
             sender_backend.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(NIXL_SKIP is not None, reason=NIXL_SKIP or "")
+@pytest.mark.parametrize("lanes", [1, 2, 3])
+def test_nixl_layers_spread_over_posting_lanes(lanes: int) -> None:
+    from splitserve_worker.kv.nixl_backend import NixlSenderBackend
+
+    async def scenario() -> None:
+        async with receiver("nixl") as (address, recv, leases, pool):
+            n, blocks = 40, [9, 3, 30]
+            lease = leases.add("r", blocks, num_tokens=n, num_layers=L, ttl=30, backend="nixl")
+            target = TransferTarget("r", lease.lease_id, address, tuple(blocks), n, COMPAT.hash,
+                                    recv.backend_metadata(), time.time() + 30)  # fmt: skip
+            sender_backend = NixlSenderBackend(BackendContext(compat=COMPAT, token=TOKEN), lanes)
+            posted: list[tuple[int, int]] = []
+            for i, lane in enumerate(sender_backend.lanes):
+                put = lane.jobs.put
+                lane.jobs.put = lambda job, i=i, put=put: (posted.append((i, job.layer)), put(job))[
+                    1
+                ]  # type: ignore[method-assign]
+            kv = fresh_kv(n, 3)
+            sender = sender_backend.open(target)
+            for layer in range(L):
+                sender.send_layer(layer, *kv[layer], 0)
+            await asyncio.to_thread(sender.finish, 30)
+            assert await asyncio.to_thread(recv.wait_layers, lease, 10)
+            assert sorted(posted) == sorted((layer % lanes, layer) for layer in range(L))
+            view = PoolView(pool)
+            for layer in range(L):
+                got_k, got_v = view.read(layer, blocks, 0, n)
+                assert torch.equal(got_k, kv[layer][0]) and torch.equal(got_v, kv[layer][1])
+            sender_backend.close()
+
+    asyncio.run(scenario())
