@@ -16,11 +16,15 @@ to do (measured at the start of the run): TTFT <= ``--slo-ttft-scale`` x the
 long-prompt TTFT alone, TPOT <= ``--slo-tpot-scale`` x the short-prompt TPOT
 alone (defaults 2 and 1.5: a stream may slow by half from batching, but a
 prompt's prefill may not stall it; DistServe states its SLOs the same way).
-Goodput is DistServe's: the highest rate at which at least 90% of requests meet
-the SLO, interpolated linearly between the grid rates around the crossing. A
-table also gives the goodput of both stacks at other TPOT scales, so the trade
-is visible: the looser the TPOT SLO, the more colocated's second prefill-capable
-worker counts. Ends with
+Goodput is DistServe's: the rate up to which at least 90% of requests meet the
+SLO, taken where attainment first falls below 90% on the grid and interpolated
+linearly between the grid rates around that crossing. A table also gives the
+goodput of both stacks at other TPOT scales, so the trade is visible: the looser
+the TPOT SLO, the more colocated's second prefill-capable worker counts. It also
+prints the rate at which the disaggregated stack's one prefill worker is busy all
+the time with long prompts alone, 1 / (long-prompt share of the grid's traces x
+that stack's long-prompt TTFT alone): a ceiling on its goodput that only faster
+prefill (more cores or workers) lifts. Ends with
 
     RESULT tpot_p99_disagg_vs_colocated=<r> goodput_disagg_vs_colocated=<r>
 
@@ -360,6 +364,15 @@ def main() -> int:
               f"ratio {ratio(gd, gc):.2f}{mark}")  # fmt: skip
         if scale == args.slo_tpot_scale:
             good = {"colocated": gc, "disaggregated": gd}
+    arrivals = [a for r in runs["disaggregated"].values() for a in (o.arrival for o in r)]
+    long_share = sum(a.long for a in arrivals) / max(1, len(arrivals))
+    long_alone = alone["disaggregated"][0]
+    if long_share > 0 and long_alone > 0 and good["colocated"] > 0:
+        ceiling = 1 / (long_share * long_alone)
+        print(f"\nprefill ceiling: disaggregated's one prefill worker is busy all the time "
+              f"at {ceiling:.2f} req/s ({long_share:.0%} of the grid's prompts long, "
+              f"{long_alone:.2f} s each alone); over colocated's goodput that caps the "
+              f"ratio at {ceiling / good['colocated']:.2f}")  # fmt: skip
     p99 = {name: pct(tpots([o for outs in r.values() for o in outs]), 99)
            for name, r in runs.items()}  # fmt: skip
     c, d = p99["colocated"], p99["disaggregated"]

@@ -1,0 +1,291 @@
+"""Render: the desired objects as a whole: valid for Kubernetes (kubernetes-validate
+--strict), "restricted" pods, names, labels, commands, the token, network policy."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from splitserve_operator.render import Desired, RenderInputs, render
+from splitserve_operator.render.commands import (
+    ROUTER_HTTP_PORT,
+    TOKEN_FILE,
+    WORKER_GRPC_PORT,
+    WORKER_METRICS_PORT,
+)
+from splitserve_operator.render.security import restricted_violations
+from splitserve_operator.spec import Pool, parse_spec
+
+sys.path.insert(0, str(Path(__file__).parent))
+from render_helpers import BASE, K8S_VERSION, REF, arg, container, env, objects, pod
+
+pytestmark = pytest.mark.unit
+
+
+# -- the objects as a whole ---------------------------------------------------------------
+
+
+FULL: dict[str, Any] = {
+    "model": {"name": "m", "source": "org/m", "dtype": "float16"},
+    "image": "img:1",
+    "imagePullPolicy": "IfNotPresent",
+    "imagePullSecrets": [{"name": "regcred"}],
+    "prefill": {
+        "replicas": 2,
+        "gpus": 1,
+        "resources": {"requests": {"cpu": "4"}},
+        "nodeSelector": {"pool": "gpu"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}
+                    ]
+                }
+            }
+        },
+        "env": [{"name": "A", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+    },
+    "decode": {"replicas": 3, "gpus": 2},
+    "router": {"replicas": 2, "serviceType": "NodePort", "resources": {"limits": {"memory": 1}}},
+    "kvTransfer": {"backend": "nixl", "leaseSeconds": 45},
+    "networkPolicy": {"metricsFrom": [{"podSelector": {"matchLabels": {"app": "prometheus"}}}]},
+}
+
+
+@pytest.mark.parametrize("raw", [BASE, FULL], ids=["minimal", "full"])
+def test_rendered_objects_pass_kubernetes_validate_strict(raw: dict[str, Any]) -> None:
+    spec = parse_spec(raw, name="demo")
+    for desired in render(REF, spec, RenderInputs(replicas={p: 1 for p in Pool}, token="t")):
+        kubernetes_validate.validate(desired.manifest, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("raw", [BASE, FULL], ids=["minimal", "full"])
+def test_every_pod_meets_the_restricted_profile(raw: dict[str, Any]) -> None:
+    objs = objects(raw)
+    for pool in ("prefill", "decode", "router"):
+        assert restricted_violations(pod(objs, pool)) == [], pool
+
+
+def test_names_labels_and_owner_references() -> None:
+    objs = objects()
+    assert sorted(objs) == sorted(
+        [
+            "ConfigMap/demo-config",
+            "Secret/demo-worker-token",
+            "ServiceAccount/demo-router",
+            "RoleBinding/demo-router",
+            "NetworkPolicy/demo-workers",
+            "Service/demo-prefill",
+            "Service/demo-decode",
+            "Service/demo-router",
+            "Deployment/demo-prefill",
+            "Deployment/demo-decode",
+            "Deployment/demo-router",
+        ]
+    )
+    for manifest in objs.values():
+        meta = manifest["metadata"]
+        assert meta["namespace"] == "team-a"
+        assert meta["labels"]["app.kubernetes.io/instance"] == "demo"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "splitserve-operator"
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "splitserve.io/v1alpha1",
+                "kind": "InferenceService",
+                "name": "demo",
+                "uid": "0000-uid",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+    for pool in ("prefill", "decode", "router"):
+        deployment = objs[f"Deployment/demo-{pool}"]
+        selector = deployment["spec"]["selector"]["matchLabels"]
+        assert selector == {
+            "app.kubernetes.io/instance": "demo",
+            "app.kubernetes.io/component": pool,
+        }
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items()
+        assert objs[f"Service/demo-{pool}"]["spec"]["selector"] == selector
+
+
+def test_command_lines() -> None:
+    objs = objects(
+        {
+            "model": {"name": "served", "source": "org/weights"},
+            "kvTransfer": {"backend": "grpc", "leaseSeconds": 30},
+        }
+    )
+    assert container(objs, "prefill")["command"] == ["splitserve"]
+    assert container(objs, "prefill")["args"] == [
+        "worker",
+        "--role",
+        "prefill",
+        "--model",
+        "org/weights",
+        "--dtype",
+        "auto",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(WORKER_GRPC_PORT),
+        "--advertise-address",
+        f"$(POD_IP):{WORKER_GRPC_PORT}",
+        "--kv-backend",
+        "grpc",
+        "--lease-seconds",
+        "30",
+        "--token-file",
+        TOKEN_FILE,
+        "--metrics-port",
+        str(WORKER_METRICS_PORT),
+    ]
+    assert arg(objs, "decode", "--role") == "decode"
+    assert container(objs, "router")["args"] == [
+        "router",
+        "--model",
+        "org/weights",
+        "--served-model-name",
+        "served",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ROUTER_HTTP_PORT),
+        "--discovery",
+        "kubernetes",
+        "--namespace",
+        "team-a",
+        "--selector",
+        "app.kubernetes.io/instance=demo",
+        "--role-label",
+        "splitserve.io/role",
+        "--kv-backend",
+        "grpc",
+        "--token-file",
+        TOKEN_FILE,
+    ]
+    assert env(objs, "decode")["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+
+def test_worker_pods_carry_the_role_label_the_router_discovers_them_by() -> None:
+    objs = objects()
+    for pool in ("prefill", "decode"):
+        labels = objs[f"Deployment/demo-{pool}"]["spec"]["template"]["metadata"]["labels"]
+        assert labels["splitserve.io/role"] == pool
+        ports = {p["name"]: p["containerPort"] for p in container(objs, pool)["ports"]}
+        assert ports["grpc"] == WORKER_GRPC_PORT
+    router = objs["Deployment/demo-router"]["spec"]["template"]["metadata"]["labels"]
+    assert "splitserve.io/role" not in router
+
+
+def test_the_worker_and_router_commands_accept_the_rendered_arguments() -> None:
+    """The one place to align with the worker package: its own parsers read our args."""
+    from splitserve_worker.cli import build_parser
+
+    parser = build_parser()
+    objs = objects({"kvTransfer": {"backend": "nixl", "leaseSeconds": 12}})
+    for pool in ("prefill", "decode", "router"):
+        args = container(objs, pool)["args"]
+        parsed = parser.parse_args(args)
+        assert parsed.command == args[0]
+        assert parsed.token_file == TOKEN_FILE and parsed.kv_backend == "nixl"
+        assert parsed.host == "0.0.0.0"
+    worker = parser.parse_args(container(objs, "decode")["args"])
+    assert (worker.role, worker.port, worker.lease_seconds, worker.metrics_port) == (
+        "decode",
+        WORKER_GRPC_PORT,
+        12,
+        WORKER_METRICS_PORT,
+    )
+    router = parser.parse_args(container(objs, "router")["args"])
+    assert (router.discovery, router.namespace, router.port) == (
+        "kubernetes",
+        "team-a",
+        ROUTER_HTTP_PORT,
+    )
+
+
+def test_the_token_is_a_mounted_file_and_created_once() -> None:
+    spec = parse_spec(BASE, name="demo")
+    desired = render(REF, spec, RenderInputs(replicas={p: 1 for p in Pool}, token="abc"))
+    secret = next(d for d in desired if d.kind == "Secret")
+    assert isinstance(secret, Desired) and secret.create_only
+    assert secret.manifest["stringData"] == {"token": "abc"}
+    assert all(not d.create_only for d in desired if d.kind != "Secret")
+    objs = objects()
+    for pool in ("prefill", "decode", "router"):
+        mounts = {m["name"]: m for m in container(objs, pool)["volumeMounts"]}
+        assert mounts["token"]["readOnly"] is True
+        volume = next(v for v in pod(objs, pool)["volumes"] if v["name"] == "token")
+        assert volume["secret"]["secretName"] == "demo-worker-token"
+        assert volume["secret"]["defaultMode"] == 0o440
+        assert "secret-token" not in json.dumps(objs[f"Deployment/demo-{pool}"])
+
+
+def test_only_the_router_talks_to_the_api() -> None:
+    objs = objects()
+    assert pod(objs, "router")["serviceAccountName"] == "demo-router"
+    assert pod(objs, "router")["automountServiceAccountToken"] is True
+    for pool in ("prefill", "decode"):
+        assert pod(objs, pool)["automountServiceAccountToken"] is False
+    binding = objs["RoleBinding/demo-router"]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "splitserve-router",
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "demo-router", "namespace": "team-a"}
+    ]
+
+
+def test_network_policy_admits_only_the_router_and_peer_workers() -> None:
+    policy = objects()["NetworkPolicy/demo-workers"]["spec"]
+    workers = {
+        "matchLabels": {"app.kubernetes.io/instance": "demo"},
+        "matchExpressions": [
+            {
+                "key": "app.kubernetes.io/component",
+                "operator": "In",
+                "values": ["prefill", "decode"],
+            }
+        ],
+    }
+    assert policy["podSelector"] == workers and policy["policyTypes"] == ["Ingress"]
+    router_rule, peer_rule = policy["ingress"][:2]
+    assert router_rule["from"][0]["podSelector"]["matchExpressions"][0]["values"] == ["router"]
+    assert router_rule["ports"] == [{"protocol": "TCP", "port": WORKER_GRPC_PORT}]
+    assert peer_rule == {"from": [{"podSelector": workers}]}  # NIXL/UCX picks its own ports
+    for rule in policy["ingress"]:
+        assert rule.get("from"), "every rule names who may connect"
+
+
+def test_a_config_change_rolls_the_pods_and_a_replica_change_does_not() -> None:
+    def pod_hash(objs: dict[str, dict[str, Any]]) -> str:
+        meta = objs["Deployment/demo-decode"]["spec"]["template"]["metadata"]
+        return str(meta["annotations"]["splitserve.io/config-hash"])
+
+    base = pod_hash(objects())
+    assert pod_hash(objects({"kvTransfer": {"backend": "nixl"}})) != base
+    assert pod_hash(objects({"decode": {"replicas": 5}})) == base
+
+
+def test_render_is_deterministic() -> None:
+    assert objects(FULL) == objects(FULL)
+
+
+def test_render_deployment_is_the_same_deployment_render_makes() -> None:
+    from splitserve_operator.render import render_deployment
+
+    spec = parse_spec(FULL, name="demo")
+    inputs = RenderInputs(replicas={Pool.PREFILL: 2, Pool.DECODE: 3, Pool.ROUTER: 1}, token="t")
+    everything = {d.name: d.manifest for d in render(REF, spec, inputs) if d.kind == "Deployment"}
+    for pool in Pool:
+        assert render_deployment(REF, spec, inputs, pool) == everything[f"demo-{pool.value}"]
