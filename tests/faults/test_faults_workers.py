@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from splitserve_worker.server.client import WorkerClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -138,7 +139,7 @@ def test_prefill_worker_killed_mid_prefill(
     p = PREFILL[0]
 
     async def fault() -> None:
-        await wait_for(lambda: _leases(s, DECODE), 20, "a handoff in progress")
+        await _leases(s, DECODE, "a handoff in progress")
         freeze_then_kill(s, p)
 
     async def go() -> None:
@@ -160,7 +161,7 @@ def test_decode_worker_killed_mid_transfer(
     killed: list[int] = []
 
     async def fault() -> None:
-        d = await wait_for(lambda: _leases(s, DECODE), 20, "a reservation on a decode worker")
+        d = await _leases(s, DECODE, "a reservation on a decode worker")
         freeze_then_kill(s, d)
         killed.append(d)
 
@@ -217,13 +218,38 @@ async def _running(s: Any, i: int, at_least: int = 1) -> bool:
         return False
 
 
-async def _leases(s: Any, workers: tuple[int, ...]) -> int | None:
-    """A worker of ``workers`` holding a reservation now (a handoff in flight), if any."""
-    for i in workers:
-        if i in s.survivors():
-            try:
-                if (await s.health(i)).leases > 0:
-                    return i
-            except Exception:
-                continue
-    return None
+class _LeaseWatch:
+    """Polls some workers' Health together, over one channel each, for a reservation (a
+    handoff in flight). On the tiny model a handoff lasts milliseconds: a fresh channel
+    per call, one worker after another, can miss every one of them on a busy machine."""
+
+    def __init__(self, s: Any, workers: tuple[int, ...]) -> None:
+        self._s = s
+        self._workers = [i for i in workers if i in s.survivors()]
+        self._clients: dict[int, WorkerClient] = {}
+
+    async def __aenter__(self) -> _LeaseWatch:
+        self._clients = {
+            i: WorkerClient(self._s.address(i), self._s.token, timeout=2.0) for i in self._workers
+        }
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for c in self._clients.values():
+            await c.close()
+
+    async def leased(self) -> int | None:
+        """A watched worker holding a reservation now, if any (``index + 1``: truthy)."""
+        got = await asyncio.gather(
+            *(c.health() for c in self._clients.values()), return_exceptions=True
+        )
+        for i, h in zip(self._clients, got, strict=True):
+            if not isinstance(h, BaseException) and h.leases > 0:
+                return i + 1
+        return None
+
+
+async def _leases(s: Any, workers: tuple[int, ...], what: str) -> int:
+    """Waits for a worker of ``workers`` to hold a reservation; returns its index."""
+    async with _LeaseWatch(s, workers) as watch:
+        return int(await wait_for(watch.leased, 20, what)) - 1
