@@ -33,8 +33,9 @@ request of the grid (the same requests for both stacks): at one rate, 60 request
 make the p99 their maximum.
 
 Each rate serves 60 requests (``--requests``): with 30, one request is 3.3 points
-of attainment, and the attainment curves of repeated runs were not monotonic (a
-single noisy rate moved the goodput ratio between 0.46 and 2.2); with 60 they were.
+of attainment, and in repeated runs a single noisy rate below the crossing could
+dip under 90% (the goodput ratio moved between 0.46 and 2.2); with 60, no rate
+below the crossing did in two runs.
 
     .venv/bin/python bench/interference.py                 # built-in model, ~35 minutes
     .venv/bin/python bench/interference.py --requests 30   # a quicker, noisier look, ~17
