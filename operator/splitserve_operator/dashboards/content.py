@@ -13,10 +13,9 @@ from __future__ import annotations
 import splitserve_worker.metrics.names as n
 
 from splitserve_operator.dashboards.grafana import Dashboard, Panel, Row, Target
-from splitserve_operator.dashboards.internals import kv_transfer, planner
+from splitserve_operator.dashboards.internals import kv_transfer, planner, replicas_panel
 from splitserve_operator.dashboards.queries import (
     BY_ROLE,
-    OPERATOR,
     QUANTILES,
     SLO_VARIABLES,
     VARIABLES,
@@ -152,21 +151,7 @@ def pools() -> Dashboard:
         rows=(
             Row(
                 "Replicas",
-                (
-                    Panel(
-                        "Replicas desired and ready",
-                        (
-                            Target(
-                                gauge(n.REPLICAS_DESIRED, "pool", base=OPERATOR), "{{pool}} desired"
-                            ),
-                            Target(
-                                gauge(n.REPLICAS_READY, "pool", base=OPERATOR), "{{pool}} ready"
-                            ),
-                        ),
-                        "short",
-                        width=24,
-                    ),
-                ),
+                (replicas_panel(width=24),),
             ),
             Row(
                 "Queues and batches",

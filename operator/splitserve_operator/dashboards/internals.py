@@ -22,6 +22,19 @@ from splitserve_operator.dashboards.queries import (
 )
 
 
+def replicas_panel(width: int = 12) -> Panel:
+    """Desired and ready replicas per pool, as the operator reports them."""
+    return Panel(
+        "Replicas desired and ready",
+        (
+            Target(gauge(n.REPLICAS_DESIRED, "pool", base=OPERATOR), "{{pool}} desired"),
+            Target(gauge(n.REPLICAS_READY, "pool", base=OPERATOR), "{{pool}} ready"),
+        ),
+        "short",
+        width=width,
+    )
+
+
 def kv_transfer() -> Dashboard:
     by = "backend"
     return Dashboard(
@@ -107,18 +120,7 @@ def planner() -> Dashboard:
             Row(
                 "Decisions",
                 (
-                    Panel(
-                        "Replicas desired and ready",
-                        (
-                            Target(
-                                gauge(n.REPLICAS_DESIRED, "pool", base=OPERATOR), "{{pool}} desired"
-                            ),
-                            Target(
-                                gauge(n.REPLICAS_READY, "pool", base=OPERATOR), "{{pool}} ready"
-                            ),
-                        ),
-                        "short",
-                    ),
+                    replicas_panel(),
                     Panel(
                         "Scaling decisions",
                         (
