@@ -236,12 +236,15 @@ def test_decode_scales_up_when_tpot_breaks_the_slo_and_down_when_load_stops(
         assert max(ratios) > 1.0, f"scaled up without a TPOT breach: ratios {ratios}, {up}"
         assert up["reason"] in {"SLOBreach", "DemandAboveCapacity", "KVPressure", "QueueBacklog"}
         assert any(m.startswith("decode 1 -> ") for m in _events(kube, "ScaledUp"))
-        peak = _decode_target(kube_client)
 
-        # Load stops: the pool goes back to its minimum.
+        # Load stops: the pool goes back to its minimum. (The planner may still scale up
+        # once after the load ends, while its rate window holds the breach: the event
+        # checked is the last step down, from whatever the peak was, to 1.)
         wait_for(lambda: _decode_target(kube_client) == 1, timeout=120, message="decode back to 1")
         assert _planner(kube_client)["reason"] == "Idle"
-        assert any(m.startswith(f"decode {peak} -> ") for m in _events(kube, "ScaledDown"))
+        downs = [re.match(r"decode (\d+) -> (\d+):", m) for m in _events(kube, "ScaledDown")]
+        steps = [(int(d[1]), int(d[2])) for d in downs if d]
+        assert any(a >= 2 and b == 1 for a, b in steps), steps
         assert _scaling_active(kube_client)
 
 
