@@ -12,10 +12,12 @@
 2. ``nixl`` backend vs a shared-memory copy: the same 256 MiB written by
    ``NixlSender`` into the receiver process's registered pool (UCX picks CMA or TCP on
    one host), against one ``copy_`` of the bytes into a POSIX shared-memory segment.
-3. Overlap: real ``splitserve worker`` processes (prefill and decode, one thread each)
-   on the built-in model; for a 2,000-token prompt, the transfer time still exposed after
-   prefill compute ends, as a fraction of the whole transfer time (both from the
-   PrefillResponse timings; mean over repeats).
+   Beside each pair, the CPU time both processes spent per push, and the ratio that
+   CPU alone allows on this host's cores.
+3. Overlap (``bench/kv_overlap.py``): real ``splitserve worker`` processes (prefill
+   and decode, one thread each) on the built-in model; for a 2,000-token prompt, the
+   transfer time still exposed after prefill compute ends, as a fraction of the whole
+   transfer time (both from the PrefillResponse timings, summed over repeats).
 
 Ends with ``RESULT grpc_vs_tcp=<r> nixl_vs_shm=<r> exposed_fraction=<f>``
 (targets: >= 0.8, >= 0.5, <= 0.2).
@@ -31,23 +33,23 @@ import asyncio
 import itertools
 import multiprocessing as mp
 import os
+import resource
 import socket
-import subprocess
-import sys
-import threading
 import time
+from dataclasses import dataclass
 from multiprocessing import shared_memory
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("UCX_TLS", "cma,tcp")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 import torch
+from kv_overlap import TOKEN, bench_exposed
 
 LAYERS, HEADS, DIM, TOKENS, BLOCK = 8, 8, 128, 4096, 16
 NBYTES = LAYERS * 2 * TOKENS * HEADS * DIM * 4  # 256 MiB
 POOL_BLOCKS = 2 * TOKENS // BLOCK
-TOKEN = "bench-token"
 CHUNK = 1 << 20
 
 
@@ -174,6 +176,39 @@ async def _kv_receiver_async(backend: str, q_out: Any, q_in: Any) -> None:
 # ---------------------------------------------------------------- measurements
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds, all threads, of this process or of process ``pid``
+    (from ``/proc``: Linux; clock ticks, so 10 ms grain)."""
+    if pid is None:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuClock:
+    """CPU time of the sending process (this one) and the receiving one over timed spans."""
+
+    def __init__(self, receiver_pid: int | None) -> None:
+        self._pid = receiver_pid
+        self.reset()
+
+    def reset(self) -> None:
+        self.send = self.recv = self.wall = 0.0
+        self.spans = 0
+
+    def __enter__(self) -> None:
+        self._s0, self._r0 = cpu_seconds(), cpu_seconds(self._pid) if self._pid else 0.0
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall += time.perf_counter() - self._t0
+        self.send += cpu_seconds() - self._s0
+        if self._pid:
+            self.recv += cpu_seconds(self._pid) - self._r0
+        self.spans += 1
+
+
 class TcpRun:
     """A receiver process reading each 256 MiB into one preallocated buffer."""
 
@@ -186,13 +221,15 @@ class TcpRun:
         self._data = memoryview(src.view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
         self._s = socket.create_connection(("127.0.0.1", port))
         self._s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        self.cpu = CpuClock(self._p.pid)
 
     def once(self) -> float:
-        t0 = time.perf_counter()
-        for off in range(0, NBYTES, CHUNK):
-            self._s.sendall(self._data[off : off + CHUNK])
-        assert self._s.recv(1) == b"k"
-        return time.perf_counter() - t0
+        with self.cpu:
+            t0 = time.perf_counter()
+            for off in range(0, NBYTES, CHUNK):
+                self._s.sendall(self._data[off : off + CHUNK])
+            assert self._s.recv(1) == b"k"
+            return time.perf_counter() - t0
 
     def close(self) -> None:
         self._s.close()
@@ -219,6 +256,7 @@ class BackendRun:
         # per layer, fresh K and V tensors: what the engine's layer-wise prefill hands over
         self._layers = [(src[i, 0].clone(), src[i, 1].clone()) for i in range(LAYERS)]
         self._expect = float(src[LAYERS - 1].sum())
+        self.cpu = CpuClock(self._p.pid)
 
     def once(self) -> float:
         from splitserve_worker.kv.transport import TransferTarget
@@ -229,12 +267,13 @@ class BackendRun:
         lease_id = self._q_out.get(timeout=60)
         target = TransferTarget(rid, lease_id, self._address, tuple(self._blocks), TOKENS,
                                 self._compat.hash, self._metadata)  # fmt: skip
-        t0 = time.perf_counter()
-        sender = self._sender.open(target)
-        for layer, (k, v) in enumerate(self._layers):
-            sender.send_layer(layer, k, v, 0)
-        sender.finish(120)
-        dt = time.perf_counter() - t0
+        with self.cpu:
+            t0 = time.perf_counter()
+            sender = self._sender.open(target)
+            for layer, (k, v) in enumerate(self._layers):
+                sender.send_layer(layer, k, v, 0)
+            sender.finish(120)
+            dt = time.perf_counter() - t0
         self._q_in.put(f"check:{rid}")
         ok, total = self._q_out.get(timeout=60)
         if not ok:
@@ -257,12 +296,14 @@ class ShmRun:
         self._dst: torch.Tensor | None = torch.frombuffer(self._shm.buf, dtype=torch.uint8)
         self._flat = src.view(torch.uint8).reshape(-1)
         self._dst.copy_(self._flat)  # first touch maps the pages
+        self.cpu = CpuClock(None)
 
     def once(self) -> float:
         assert self._dst is not None
-        t0 = time.perf_counter()
-        self._dst.copy_(self._flat)
-        return time.perf_counter() - t0
+        with self.cpu:
+            t0 = time.perf_counter()
+            self._dst.copy_(self._flat)
+            return time.perf_counter() - t0
 
     def close(self) -> None:
         self._dst = None
@@ -270,81 +311,51 @@ class ShmRun:
         self._shm.unlink()
 
 
-def side_by_side(a: Any, b: Any, repeats: int) -> tuple[float, float]:
+@dataclass
+class Measured:
+    """One side of a side-by-side run: best GB/s; mean wall and CPU seconds per push."""
+
+    gbs: float
+    wall: float
+    cpu_send: float
+    cpu_recv: float
+
+    @property
+    def cpu_total(self) -> float:
+        return self.cpu_send + self.cpu_recv
+
+
+def side_by_side(a: Any, b: Any, repeats: int) -> tuple[Measured, Measured]:
     """Best GB/s of each, their runs interleaved so that load on the host hits both alike."""
     for _ in range(2):  # warm-up: connections, page faults, registrations
         a.once(), b.once()
+    a.cpu.reset(), b.cpu.reset()
     ta = tb = float("inf")
     for _ in range(repeats):
         ta, tb = min(ta, a.once()), min(tb, b.once())
     a.close()
     b.close()
-    return NBYTES / ta / 1e9, NBYTES / tb / 1e9
+
+    def measured(r: Any, best: float) -> Measured:
+        n = r.cpu.spans
+        return Measured(NBYTES / best / 1e9, r.cpu.wall / n, r.cpu.send / n, r.cpu.recv / n)
+
+    return measured(a, ta), measured(b, tb)
 
 
-def _spawn_worker(model: str, role: str, backend: str) -> tuple[subprocess.Popen[str], str]:
-    env = dict(os.environ, SPLITSERVE_WORKER_TOKEN=TOKEN, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "splitserve_worker.cli", "worker", "--role", role, "--model",
-           model, "--port", "0", "--threads", "1", "--kv-backend", backend]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=env)  # fmt: skip
-    found: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("READY ") and not found:
-                found.append(line.split()[1])
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + 300
-    while not found and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if not found:
-        proc.kill()
-        raise SystemExit(f"the {role} worker did not start")
-    return proc, found[0]
-
-
-def bench_exposed(model: str, backend: str, repeats: int, prompt_len: int) -> float:
-    from splitserve.v1 import worker_pb2 as pb
-    from splitserve_worker.server.client import WorkerClient
-
-    procs = [_spawn_worker(model, role, backend) for role in ("prefill", "decode")]
-    sp = pb.SamplingParams(max_tokens=2, ignore_eos=True)
-
-    async def run() -> float:
-        p, d = (WorkerClient(addr, TOKEN) for _, addr in procs)
-        exposed = total = 0.0
-        for i in range(repeats + 1):
-            prompt = [100 + (i * 7919 + j * 31) % 40000 for j in range(prompt_len)]
-            rid = f"exp-{backend}-{i}"
-            handle = await d.reserve(rid, len(prompt), kv_backend=backend, lease_seconds=600)
-            gen = d.generate(rid, prompt, sp, expect_remote_kv=True)
-            task = asyncio.ensure_future(_drain(gen))
-            r = await p.prefill(rid, prompt, sp, handle, timeout=600)
-            await task
-            print(f"  {backend} run {i}: prefill {r.prefill_seconds:.2f} s, transfer "
-                  f"{r.transfer_seconds:.3f} s, exposed {r.exposed_transfer_seconds * 1e3:.1f} ms, "
-                  f"{r.bytes_sent / 1e6:.0f} MB", flush=True)  # fmt: skip
-            if i:
-                exposed += r.exposed_transfer_seconds
-                total += r.transfer_seconds
-        await p.close()
-        await d.close()
-        return exposed / total if total else 1.0
-
-    try:
-        return asyncio.run(run())
-    finally:
-        for proc, _ in procs:
-            proc.terminate()
-            proc.wait(30)
-
-
-async def _drain(gen: Any) -> None:
-    async for _ in gen:
-        pass
+def cpu_report(name: str, m: Measured, base_name: str, base: Measured) -> str:
+    """CPU per push of a backend and its baseline (means), and the ratio that CPU alone
+    allows: with every usable core busy, a push takes at least its CPU time over the cores."""
+    cores = len(os.sched_getaffinity(0))
+    floor = m.cpu_total / cores
+    return (
+        f"  per {NBYTES >> 20} MiB push (mean): {name} {m.wall * 1e3:.0f} ms, CPU "
+        f"{m.cpu_send * 1e3:.0f} ms sending + {m.cpu_recv * 1e3:.0f} ms receiving; {base_name} "
+        f"{base.wall * 1e3:.0f} ms, CPU {base.cpu_send * 1e3:.0f} + {base.cpu_recv * 1e3:.0f} ms. "
+        f"{name} spends {m.cpu_total / base.cpu_total:.1f}x the CPU per byte: on {cores} cores "
+        f"a push needs >= {floor * 1e3:.0f} ms, so CPU alone caps the ratio near "
+        f"{base.wall / floor:.2f}"
+    )
 
 
 def main() -> None:
@@ -368,22 +379,26 @@ def main() -> None:
     print(f"payload: {NBYTES / 2**20:.0f} MiB ({LAYERS} layers x {TOKENS} tokens) into "
           f"{len(blocks)} blocks of a {POOL_BLOCKS}-block pool ({args.blocks}: {runs(blocks)} "
           f"runs of consecutive blocks)", flush=True)  # fmt: skip
-    grpc_gbs, tcp = side_by_side(BackendRun("grpc", src, blocks), TcpRun(src, args.repeats + 2),
-                                 args.repeats)  # fmt: skip
-    print(f"grpc backend {grpc_gbs:.2f} GB/s   plain TCP {tcp:.2f} GB/s", flush=True)
+    grpc, tcp = side_by_side(BackendRun("grpc", src, blocks), TcpRun(src, args.repeats + 2),
+                             args.repeats)  # fmt: skip
+    print(f"grpc backend {grpc.gbs:.2f} GB/s   plain TCP {tcp.gbs:.2f} GB/s", flush=True)
+    print(cpu_report("grpc", grpc, "TCP", tcp), flush=True)
     nixl_reason = unavailable_reason("nixl")
     if nixl_reason:
         nixl_gbs, shm = float("nan"), side_by_side(ShmRun(src), ShmRun(src), args.repeats)[0]
     else:
-        nixl_gbs, shm = side_by_side(BackendRun("nixl", src, blocks), ShmRun(src), args.repeats)
-    print(f"nixl backend {nixl_gbs:.2f} GB/s   shared-memory copy {shm:.2f} GB/s"
+        nixl, shm = side_by_side(BackendRun("nixl", src, blocks), ShmRun(src), args.repeats)
+        nixl_gbs = nixl.gbs
+    print(f"nixl backend {nixl_gbs:.2f} GB/s   shared-memory copy {shm.gbs:.2f} GB/s"
           + (f"  (nixl skipped: {nixl_reason})" if nixl_reason else ""), flush=True)  # fmt: skip
+    if not nixl_reason:
+        print(cpu_report("nixl", nixl, "the copy", shm), flush=True)
     exposed = float("nan")
     if not args.skip_model:
         exposed = bench_exposed(args.model, "grpc", args.repeats, args.prompt_len)
         print(f"exposed transfer after prefill (grpc, {args.prompt_len} tokens): "
               f"{exposed:.4f} of the transfer time", flush=True)  # fmt: skip
-    print(f"RESULT grpc_vs_tcp={grpc_gbs / tcp:.3f} nixl_vs_shm={nixl_gbs / shm:.3f} "
+    print(f"RESULT grpc_vs_tcp={grpc.gbs / tcp.gbs:.3f} nixl_vs_shm={nixl_gbs / shm.gbs:.3f} "
           f"exposed_fraction={exposed:.4f}")  # fmt: skip
 
 

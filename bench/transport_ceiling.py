@@ -3,7 +3,7 @@
 The ceilings for ``bench/kv_transfer.py``'s ratios, with no KV, no pool and no
 leases in the way.
 
-gRPC, the ceiling for ``grpc_vs_tcp``: the same 256 MiB in
+gRPC, the ceiling for ``grpc_vs_tcp``: the same 256 MiB (the same random bytes) in
 1 MiB messages, already built as ``bytes`` before the clock starts, streamed over
 one client-streaming call (and over 2 and 4 concurrent calls on separate
 channels) to a server that only counts them: no KV, no pool, no parsing. Both
@@ -75,7 +75,10 @@ class BareGrpc:
         self._p = ctx.Process(target=_server, args=(self._req, self._rep), daemon=True)
         self._p.start()
         self.address = f"127.0.0.1:{self._rep.get(timeout=120)}"
-        self.payload = [bytes(MSG) for _ in range(NBYTES // MSG)]
+        # the bench's own random KV bytes: ``bytes(MSG)`` would be calloc'd zero pages,
+        # all mapped to one physical page, so every copy of them would read from cache
+        flat = _source().view(torch.uint8).reshape(-1).numpy()
+        self.payload = [flat[i : i + MSG].tobytes() for i in range(0, NBYTES, MSG)]
 
     def server_cpu(self) -> float:
         self._req.put("cpu")

@@ -8,7 +8,8 @@ from splitserve_worker.kv import compat as compat_mod
 from splitserve_worker.kv import transport
 from splitserve_worker.kv.compat import Compat, CompatError
 from splitserve_worker.kv.faults import FaultConfig, FaultInjector, InjectedFault
-from splitserve_worker.kv.layout import PoolView, as_bytes, block_spans, token_chunks
+from splitserve_worker.kv import layout
+from splitserve_worker.kv.layout import PoolView, as_bytes, block_spans, slot_runs, token_chunks
 from splitserve_worker.kv.lease import LeaseError, LeaseTable, State
 
 pytestmark = pytest.mark.unit
@@ -56,23 +57,39 @@ def test_block_spans_split_at_block_edges() -> None:
         block_spans([7], start=0, count=17, block_size=16)
 
 
+def test_slot_runs_merge_only_consecutive_blocks() -> None:
+    # blocks 2,3 are consecutive in the pool; 9 is not; 4 follows 3 but not 9
+    assert slot_runs([2, 3, 9, 4], start=2, count=12, block_size=4) == [
+        (10, 0, 6),  # block 2 from offset 2, then all of block 3
+        (36, 6, 4),  # block 9
+        (16, 10, 2),  # block 4, first two slots
+    ]
+    assert slot_runs([5, 6, 7], start=0, count=12, block_size=4) == [(20, 0, 12)]
+    assert slot_runs([5], start=1, count=0, block_size=4) == []
+
+
 def test_token_chunks_target_bytes() -> None:
     assert token_chunks(10, 100, target=250) == [0, 2, 4, 6, 8]
     assert token_chunks(0, 100) == []
     assert token_chunks(5, 10**9, target=1) == [0, 1, 2, 3, 4]
 
 
-def test_pool_write_then_read_round_trips_and_touches_only_its_blocks() -> None:
+@pytest.mark.parametrize("max_runs", [64, 0], ids=["copy-per-run", "indexed-copy"])
+def test_pool_write_then_read_round_trips_and_touches_only_its_blocks(
+    max_runs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(layout, "MAX_RUN_COPIES", max_runs)
     pool = torch.zeros(3, 2, 8, 4, 2, 5)
     view = PoolView(pool)
-    blocks = [6, 1, 4]
-    k = torch.randn(10, 2, 5)
-    v = torch.randn(10, 2, 5)
+    blocks = [6, 1, 2, 4]  # 1, 2 consecutive: one run across a block edge
+    k = torch.randn(14, 2, 5)
+    v = torch.randn(14, 2, 5)
     view.write(1, blocks, 0, k[:7], v[:7])
     view.write(1, blocks, 7, k[7:], v[7:])
-    rk, rv = view.read(1, blocks, 0, 10)
+    rk, rv = view.read(1, blocks, 0, 14)
     assert torch.equal(rk, k) and torch.equal(rv, v)
-    assert torch.equal(pool[1, 0, 6], k[:4]) and torch.equal(pool[1, 1, 4, :2], v[8:])
+    assert torch.equal(pool[1, 0, 6], k[:4]) and torch.equal(pool[1, 1, 4, :2], v[12:])
+    assert torch.equal(pool[1, 0, 1:3].reshape(8, 2, 5), k[4:12])
     untouched = [b for b in range(8) if b not in blocks]
     assert pool[:, :, untouched].abs().sum() == 0
     assert pool[0].abs().sum() == 0 and pool[2].abs().sum() == 0

@@ -15,6 +15,10 @@ import torch
 CHUNK_BYTES = 1 << 20
 """Target payload of one wire message: ~1 MiB keeps gRPC near its streaming peak."""
 
+MAX_RUN_COPIES = 64
+"""A CPU pool write split into at most this many stretches of consecutive slots is done
+as one plain copy per stretch (memcpy speed); beyond it, one indexed copy costs less."""
+
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
@@ -47,6 +51,22 @@ def block_spans(block_ids: list[int], start: int, count: int, block_size: int) -
         out.append(Span(block_ids[idx], off, t, n))
         t += n
     return out
+
+
+def slot_runs(
+    block_ids: list[int], start: int, count: int, block_size: int
+) -> list[tuple[int, int, int]]:
+    """``(first slot, first token counted from start, length)`` of each stretch of
+    consecutive pool slots that tokens ``[start, start + count)`` occupy."""
+    runs: list[tuple[int, int, int]] = []
+    for s in block_spans(block_ids, start, count, block_size):
+        slot = s.block * block_size + s.offset
+        if runs and runs[-1][0] + runs[-1][2] == slot:
+            first, token, n = runs[-1]
+            runs[-1] = (first, token, n + s.count)
+        else:
+            runs.append((slot, s.token - start, s.count))
+    return runs
 
 
 def token_chunks(num_tokens: int, bytes_per_token: int, target: int = CHUNK_BYTES) -> list[int]:
@@ -85,10 +105,20 @@ class PoolView:
         n = int(k.shape[0])
         if n == 0:
             return
-        slots = self.slots(block_ids, start, n).to(self.pool.device)
         flat = self.pool[layer].view(2, self.num_blocks * self.block_size, self.kv_heads, -1)
-        flat[0].index_copy_(0, slots, k.to(self.pool.device).view(n, self.kv_heads, -1))
-        flat[1].index_copy_(0, slots, v.to(self.pool.device).view(n, self.kv_heads, -1))
+        k = k.to(self.pool.device).view(n, self.kv_heads, -1)
+        v = v.to(self.pool.device).view(n, self.kv_heads, -1)
+        if self.pool.device.type == "cpu":
+            runs = slot_runs(block_ids, start, n, self.block_size)
+            if len(runs) <= MAX_RUN_COPIES:
+                # indexed copies move one element at a time; a stretch of slots is a memcpy
+                for slot, t, m in runs:
+                    flat[0, slot : slot + m].copy_(k[t : t + m])
+                    flat[1, slot : slot + m].copy_(v[t : t + m])
+                return
+        slots = self.slots(block_ids, start, n).to(self.pool.device)
+        flat[0].index_copy_(0, slots, k)
+        flat[1].index_copy_(0, slots, v)
 
     def read(
         self, layer: int, block_ids: list[int], start: int, count: int
