@@ -262,3 +262,22 @@ async def test_consumer_leaving_early_cancels_on_every_worker() -> None:
     await disp.drain()
     assert d1.cancelled == ["r.0"] and p1.cancelled == ["r.0"]
     assert disp.decode_stage.active == 0 and disp.prefill_stage.active == 0
+
+
+async def test_prefill_slot_comes_back_when_an_attempt_breaks_before_its_prefill() -> None:
+    p1, d1 = MemWorker("p1", "prefill"), MemWorker("d1", "decode")
+    disp = await make([p1, d1], disaggregation=REMOTE)
+    conn = disp.pool.conn
+
+    def broken(name: str) -> Any:
+        if name == "p1":
+            raise RuntimeError("test: no connection to p1")
+        return conn(name)
+
+    disp.pool.conn = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="no connection to p1"):
+        await run(disp, [1, 2, 3], 4)
+    assert disp.prefill_stage.active == 0 and disp.decode_stage.active == 0
+    assert not p1.prefilled and not d1.reserved
+    disp.pool.conn = conn  # type: ignore[method-assign]
+    assert await run(disp, [1, 2, 3], 4) == expected([1, 2, 3], 4)

@@ -96,6 +96,23 @@ class _Stale(Exception):
     """A planned worker went unhealthy while the attempt waited: plan again."""
 
 
+class _Slot:
+    """A prefill slot of a stage, given back exactly once however the attempt ends."""
+
+    def __init__(self, stage: Stage) -> None:
+        self._stage = stage
+        self._held = False
+
+    async def take(self) -> None:
+        await self._stage.acquire()
+        self._held = True
+
+    def give_back(self) -> None:
+        if self._held:
+            self._held = False
+            self._stage.release()
+
+
 class _AttemptFailed(Exception):
     def __init__(self, worker: str, reason: str, detail: str, lost: bool) -> None:
         super().__init__(f"{worker}: {detail}")
@@ -237,18 +254,22 @@ class Dispatcher:
     ) -> AsyncGenerator[TokenEvent, None]:
         t = self.config.timeouts
         d_name = plan.decode.worker.name
-        if plan.prefill is not None:
-            await self.prefill_stage.acquire()  # before any worker is touched
-            if not (self.pool.healthy(d_name) and self.pool.healthy(plan.prefill.worker.name)):
-                self.prefill_stage.release()
-                raise _Stale()
-        dconn = self.pool.conn(d_name)
-        touched: list[WorkerConn] = [dconn]
-        finished = False
-        self.pool.assign(d_name, +1)
+        touched: list[WorkerConn] = []
+        finished = assigned = False
         pump: asyncio.Task[None] | None = None
         queue: asyncio.Queue[Any] = asyncio.Queue()
+        slot = _Slot(self.prefill_stage)
+        if plan.prefill is not None:
+            await slot.take()  # before any worker is touched
         try:
+            if plan.prefill is not None and not (
+                self.pool.healthy(d_name) and self.pool.healthy(plan.prefill.worker.name)
+            ):
+                raise _Stale()
+            dconn = self.pool.conn(d_name)
+            touched.append(dconn)
+            self.pool.assign(d_name, +1)
+            assigned = True
             if plan.prefill is not None:
                 p_name = plan.prefill.worker.name
                 pconn = self.pool.conn(p_name)
@@ -261,7 +282,7 @@ class Dispatcher:
                     pump = self._start(dconn, rid, prompt, sampling, True, queue)
                     await self._prefill(pconn, p_name, dconn, d_name, rid, prompt, sampling, handle)
                 finally:
-                    self.prefill_stage.release()
+                    slot.give_back()  # the prefill is over: free the slot before decoding
                     self.pool.assign(p_name, -1)
             else:
                 pump = self._start(dconn, rid, prompt, sampling, False, queue)
@@ -292,10 +313,12 @@ class Dispatcher:
                 if finished:
                     return
         finally:
-            self.pool.assign(d_name, -1)
+            slot.give_back()  # however the attempt ended before its prefill did
+            if assigned:
+                self.pool.assign(d_name, -1)
             if pump is not None:
                 pump.cancel()
-            if not finished:
+            if not finished and touched:
                 self._spawn_cleanup(rid, touched)
 
     def _raise_stream_error(self, d_name: str, e: BaseException) -> None:
