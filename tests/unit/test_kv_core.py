@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from splitserve_worker.kv import compat as compat_mod
-from splitserve_worker.kv import transport
+from splitserve_worker.kv import layout, transport
 from splitserve_worker.kv.compat import Compat, CompatError
 from splitserve_worker.kv.faults import FaultConfig, FaultInjector, InjectedFault
-from splitserve_worker.kv import layout
 from splitserve_worker.kv.layout import PoolView, as_bytes, block_spans, slot_runs, token_chunks
 from splitserve_worker.kv.lease import LeaseError, LeaseTable, State
 
