@@ -56,12 +56,6 @@ _LOST = {
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.ABORTED,
 }
-_RETRY_ELSEWHERE = {
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.DATA_LOSS,
-}
 
 
 @dataclass(frozen=True)
@@ -94,23 +88,6 @@ MAX_REPLANS = 8
 
 class _Stale(Exception):
     """A planned worker went unhealthy while the attempt waited: plan again."""
-
-
-class _Slot:
-    """A prefill slot of a stage, given back exactly once however the attempt ends."""
-
-    def __init__(self, stage: Stage) -> None:
-        self._stage = stage
-        self._held = False
-
-    async def take(self) -> None:
-        await self._stage.acquire()
-        self._held = True
-
-    def give_back(self) -> None:
-        if self._held:
-            self._held = False
-            self._stage.release()
 
 
 class _AttemptFailed(Exception):
@@ -258,9 +235,9 @@ class Dispatcher:
         finished = assigned = False
         pump: asyncio.Task[None] | None = None
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        slot = _Slot(self.prefill_stage)
+        slot: Admission | None = None
         if plan.prefill is not None:
-            await slot.take()  # before any worker is touched
+            slot = await self.prefill_stage.admit()  # before any worker is touched
         try:
             if plan.prefill is not None and not (
                 self.pool.healthy(d_name) and self.pool.healthy(plan.prefill.worker.name)
@@ -282,7 +259,8 @@ class Dispatcher:
                     pump = self._start(dconn, rid, prompt, sampling, True, queue)
                     await self._prefill(pconn, p_name, dconn, d_name, rid, prompt, sampling, handle)
                 finally:
-                    slot.give_back()  # the prefill is over: free the slot before decoding
+                    if slot is not None:
+                        slot.release()  # the prefill is over: free the slot before decoding
                     self.pool.assign(p_name, -1)
             else:
                 pump = self._start(dconn, rid, prompt, sampling, False, queue)
@@ -313,7 +291,8 @@ class Dispatcher:
                 if finished:
                     return
         finally:
-            slot.give_back()  # however the attempt ended before its prefill did
+            if slot is not None:
+                slot.release()  # however the attempt ended before its prefill did
             if assigned:
                 self.pool.assign(d_name, -1)
             if pump is not None:
