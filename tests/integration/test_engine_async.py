@@ -113,3 +113,33 @@ async def test_close_ends_open_streams(tiny: LoadedModel) -> None:
     await ae.close()
     rest = [o async for o in agen]
     assert rest and rest[-1].finished
+
+
+@pytest.mark.parametrize("step", ["reserve", "generate"])
+async def test_a_caller_cancelled_mid_call_leaves_no_blocks_held(
+    tiny: LoadedModel, step: str
+) -> None:
+    """The engine thread finishes a reservation (or admission) whose caller was cancelled
+    meanwhile, as a gRPC handler is when its deadline passes; the request is then aborted
+    there instead of holding its blocks with no one to free them."""
+    import threading
+
+    async with AsyncEngine(Engine(tiny, EngineConfig(num_blocks=64))) as ae:
+        gate = threading.Event()
+        busy = asyncio.ensure_future(ae.call(gate.wait, 10.0))  # the engine thread is busy
+        await asyncio.sleep(0.05)
+        if step == "reserve":
+            caller = asyncio.ensure_future(ae.reserve("r", 40))
+        else:
+            sp = SamplingParams(max_tokens=900, ignore_eos=True)
+            caller = asyncio.ensure_future(ae.generate("r", list(range(3, 43)), sp).__anext__())
+        await asyncio.sleep(0.05)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        gate.set()
+        assert await busy
+        for _ in range(5):  # round trips through the engine thread: the abort comes first
+            await ae.call(lambda: None)
+        s = await ae.call(ae.engine.stats)
+        assert (s["free_blocks"], s["reserved"], s["running"]) == (s["total_blocks"], 0, 0), s

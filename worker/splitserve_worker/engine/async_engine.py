@@ -146,6 +146,29 @@ class AsyncEngine:
         self._wake.set()
         return await fut
 
+    async def _call_for(self, request_id: str, fn: Callable[..., T], *args: Any) -> T:
+        """:meth:`call` for a step that gives ``request_id`` blocks (a reservation, a new
+        sequence). The step runs on the engine thread even when its caller is cancelled
+        meanwhile (a gRPC call whose deadline passed, a client that left); the request is
+        then aborted there once the step is done, so nobody is left holding its blocks."""
+        pending = asyncio.ensure_future(self.call(fn, *args))
+        try:
+            return await asyncio.shield(pending)
+        except asyncio.CancelledError:
+            pending.add_done_callback(lambda _: self._abort_soon(request_id))
+            raise
+
+    def _abort_soon(self, request_id: str) -> None:
+        def run() -> None:
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # the thread boundary: log, keep serving
+                log.exception("aborting %s after its caller left failed", request_id)
+            self._stats = self.engine.stats()
+
+        self._calls.put(run)
+        self._wake.set()
+
     # ---- streams ----
     def _open(self, request_id: str) -> _Stream:
         s = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -182,7 +205,9 @@ class AsyncEngine:
         """
         s = self._open(request_id)
         try:
-            await self.call(self.engine.add_request, request_id, list(prompt_token_ids), sampling)
+            await self._call_for(
+                request_id, self.engine.add_request, request_id, list(prompt_token_ids), sampling
+            )
         except BaseException:
             self._close_stream(request_id, s)
             raise
@@ -210,7 +235,7 @@ class AsyncEngine:
         )
 
     async def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int]:
-        return await self.call(self.engine.reserve, request_id, num_prompt_tokens)
+        return await self._call_for(request_id, self.engine.reserve, request_id, num_prompt_tokens)
 
     async def write_layer(
         self, request_id: str, layer: int, start_token: int, k: Any, v: Any
@@ -233,7 +258,8 @@ class AsyncEngine:
         abort the request)."""
         s = self._open(request_id)
         try:
-            await self.call(
+            await self._call_for(
+                request_id,
                 self.engine.admit_prefilled,
                 request_id,
                 list(prompt_token_ids),
