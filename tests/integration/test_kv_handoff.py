@@ -337,3 +337,35 @@ def test_transfer_metrics_are_served(tiny_model_path: Path) -> None:
             assert count in texts["sent"]
 
     asyncio.run(scenario())
+
+
+def test_health_counts_prefills_in_progress(tiny_model_path: Path) -> None:
+    """``prefilling`` covers a Prefill from its start to its end, push included: here the
+    push goes to a peer that accepts the connection and never answers."""
+    import socket
+
+    async def scenario() -> None:
+        with socket.socket() as silent:
+            silent.bind(("127.0.0.1", 0))
+            silent.listen(8)
+            async with workers(tiny_model_path, "prefill", "decode", transfer_timeout_s=1.5) as ws:
+                p, d = clients(ws)
+                assert (await p.health()).prefilling == 0
+                prompt = prompt_of(40)
+                handle = await d.reserve("silent", len(prompt))
+                handle.decode_address = f"127.0.0.1:{silent.getsockname()[1]}"
+                call = asyncio.ensure_future(p.prefill("silent", prompt, SP, handle))
+                seen = 0
+                deadline = time.monotonic() + 10
+                while not call.done() and time.monotonic() < deadline:
+                    seen = max(seen, (await p.health()).prefilling)
+                    await asyncio.sleep(0.02)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call
+                assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+                assert seen == 1
+                assert (await p.health()).prefilling == 0
+                assert (await d.health()).prefilling == 0  # a decode worker runs no Prefill
+                await d.release("silent")
+
+    asyncio.run(scenario())

@@ -57,6 +57,9 @@ class PrefillRunner:
         self._bytes = metrics.counter(names.KV_TRANSFER_BYTES)
         self._duration = metrics.histogram(names.KV_TRANSFER_DURATION)
         self._failures = metrics.counter(names.KV_TRANSFER_FAILURES)
+        self.in_progress = 0
+        """Prefill calls between their checks and their end (compute, push and Commit)."""
+        self._releasing: set[asyncio.Task[None]] = set()
 
     def sender_backend(self, name: str) -> SenderBackend:
         with self._senders_lock:
@@ -74,6 +77,8 @@ class PrefillRunner:
         return worker_pb2_grpc.WorkerStub(ch)
 
     async def close(self) -> None:
+        for task in list(self._releasing):  # best effort only: leases expire anyway
+            task.cancel()
         for ch in self._channels.values():
             await ch.close(grace=None)
         self._channels.clear()
@@ -81,8 +86,6 @@ class PrefillRunner:
             backend.close()
 
     async def run(self, req: pb.PrefillRequest, sampling: Any) -> pb.PrefillResponse:
-        from splitserve_worker.engine.errors import NoCapacity, RequestError
-
         handle = req.handle
         if handle.request_id and handle.request_id != req.request_id:
             raise RpcFailure(
@@ -94,7 +97,7 @@ class PrefillRunner:
                 self.ctx.compat, compat_from_proto(handle.compat), peer=handle.decode_address
             )
         except CompatError as e:
-            await self._release_remote(handle, "incompatible KV caches")
+            self._release_soon(handle, "incompatible KV caches")
             raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
         if handle.num_prompt_tokens != len(req.prompt_token_ids):
             raise RpcFailure(
@@ -102,12 +105,23 @@ class PrefillRunner:
                 f"the handle reserves {handle.num_prompt_tokens} tokens, the prompt has "
                 f"{len(req.prompt_token_ids)}",
             )
+        self.in_progress += 1
+        try:
+            return await self._run(req, sampling, handle)
+        finally:
+            self.in_progress -= 1
+
+    async def _run(
+        self, req: pb.PrefillRequest, sampling: Any, handle: pb.TransferHandle
+    ) -> pb.PrefillResponse:
+        from splitserve_worker.engine.errors import NoCapacity, RequestError
+
         backend_name = handle.kv_backend or "grpc"
         try:
             backend = await asyncio.to_thread(self.sender_backend, backend_name)
             sender: KVSender = await asyncio.to_thread(backend.open, target_from_handle(handle))
         except (TransferError, ValueError, ImportError) as e:
-            await self._release_remote(handle, "prefill failed to open the push")
+            self._release_soon(handle, "prefill failed to open the push")
             raise RpcFailure(grpc.StatusCode.UNAVAILABLE, f"cannot push KV: {e}") from None
 
         t0 = time.monotonic()
@@ -117,7 +131,7 @@ class PrefillRunner:
             )
         except BaseException as e:
             sender.abort(f"prefill failed: {e!r}")
-            await asyncio.shield(self._release_remote(handle, "prefill failed"))
+            self._release_soon(handle, "prefill failed")
             if isinstance(e, NoCapacity):
                 raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
             if isinstance(e, RequestError):
@@ -128,7 +142,7 @@ class PrefillRunner:
             stats = await asyncio.to_thread(sender.finish, self.transfer_timeout_s)
         except TransferError as e:
             self._failures.labels(backend_name, e.reason).inc()
-            await self._release_remote(handle, f"push failed: {e.reason}")
+            self._release_soon(handle, f"push failed: {e.reason}")
             raise RpcFailure(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {e}") from None
         self._bytes.labels(backend_name, "sent").inc(stats.bytes_sent)
         transfer_s = max(0.0, stats.done - (stats.first_send or t0))
@@ -162,6 +176,14 @@ class PrefillRunner:
             bytes_sent=stats.bytes_sent,
             num_cached_tokens=result.num_cached_tokens,
         )
+
+    def _release_soon(self, handle: pb.TransferHandle, reason: str) -> None:
+        """Release on the decode worker in the background: the failed Prefill answers at
+        once, not after a hung decode worker's Release times out (its lease and the
+        router's cleanup free the blocks anyway)."""
+        task = asyncio.ensure_future(self._release_remote(handle, reason))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     async def _release_remote(self, handle: pb.TransferHandle, reason: str) -> None:
         """Best effort: the decode worker's lease frees the blocks anyway."""

@@ -102,6 +102,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             version=__version__,
             kv_backends=self.kv_backends,
             leases=len(self.handoff.leases) if self.handoff else 0,
+            prefilling=self.prefill.in_progress if self.prefill else 0,
         )
 
     @_unary
