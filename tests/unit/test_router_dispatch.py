@@ -281,3 +281,37 @@ async def test_prefill_slot_comes_back_when_an_attempt_breaks_before_its_prefill
     assert not p1.prefilled and not d1.reserved
     disp.pool.conn = conn  # type: ignore[method-assign]
     assert await run(disp, [1, 2, 3], 4) == expected([1, 2, 3], 4)
+
+
+async def test_requests_queued_for_prefill_spread_over_the_prefill_workers() -> None:
+    """A burst waits for prefill slots; each request picks its prefill worker when its
+    slot comes, from the load then, not from the load when it arrived."""
+    p1, p2 = MemWorker("p1", "prefill"), MemWorker("p2", "prefill")
+    d1, d2 = MemWorker("d1", "decode"), MemWorker("d2", "decode")
+    disp = await make(
+        [p1, p2, d1, d2], disaggregation=REMOTE, queues=QueueConfig(prefill_slots_per_worker=1)
+    )
+    p1.prefill_gate, p2.prefill_gate = asyncio.Event(), asyncio.Event()
+    burst = [
+        asyncio.create_task(
+            _collect(disp.generate(GenRequest(f"r{i}", (i, i + 1), Sampling(max_tokens=2))))
+        )
+        for i in range(12)
+    ]
+    while disp.prefill_stage.waiting < 10:  # two prefills started, ten queued behind them
+        await asyncio.sleep(0.001)
+    assert len(p1.prefilled) == len(p2.prefilled) == 1
+    p2.prefill_gate.set()  # p2 serves as fast as it can; p1 holds its one prefill
+
+    async def p2_took_the_rest() -> None:
+        while len(p2.prefilled) < 11:
+            await asyncio.sleep(0.001)
+
+    try:
+        await asyncio.wait_for(p2_took_the_rest(), 5.0)
+    finally:
+        p1.prefill_gate.set()
+        outs = await asyncio.gather(*burst)
+    assert outs == [expected([i, i + 1], 2) for i in range(12)]
+    # every queued request took the slot p2 freed: none stayed pinned to the busy p1
+    assert (len(p1.prefilled), len(p2.prefilled)) == (1, 11)

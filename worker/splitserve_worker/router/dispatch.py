@@ -11,9 +11,12 @@ lost before the first token retries on another; one lost mid-stream migrates
 the request ends with :class:`RequestFailed`. However an attempt ends, a
 cleanup task cancels it on every worker it touched, so no KV stays held.
 
-A remote attempt waits for a prefill slot before it touches any worker; when one
-of its planned workers went unhealthy during that wait, it is planned again
-(without counting as a failure) rather than sent to a worker known to be down.
+A remote attempt waits for a prefill slot before it touches any worker. When it
+had to wait, it is planned again once the slot is its own, from the load and health
+of the workers then: a burst queued for prefill spreads over the prefill workers as
+they free up instead of staying on the ones picked when it arrived, and no request
+is sent to a worker that went down meanwhile (a re-plan that finds no worker plans
+again from the top, without counting as a failure).
 A prefill that fails is blamed on the worker that does not answer Health; when
 both answer, neither is marked unhealthy (a lease that ran out under load).
 """
@@ -38,6 +41,13 @@ from splitserve_worker.metrics.names import (
 )
 from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.router.config import RouterConfig
+from splitserve_worker.router.failures import (
+    LOST_CODES,
+    AttemptFailed,
+    Stale,
+    rpc_code,
+    rpc_details,
+)
 from splitserve_worker.router.planner import NoWorker, Plan, RoutePlanner
 from splitserve_worker.router.pool import WorkerPool
 from splitserve_worker.router.queues import Admission, Stage
@@ -47,15 +57,6 @@ from splitserve_worker.router.worker_client import Sampling, WorkerConn
 log = logging.getLogger(__name__)
 
 Hasher = Callable[[Sequence[int]], list[int]]
-
-_LOST = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.ABORTED,
-}
 
 
 @dataclass(frozen=True)
@@ -83,31 +84,8 @@ class RequestFailed(Exception):
 
 
 MAX_REPLANS = 8
-"""Most re-plans of one request because a planned worker went down while it waited."""
-
-
-class _Stale(Exception):
-    """A planned worker went unhealthy while the attempt waited: plan again."""
-
-
-class _AttemptFailed(Exception):
-    def __init__(self, worker: str, reason: str, detail: str, lost: bool) -> None:
-        super().__init__(f"{worker}: {detail}")
-        self.worker = worker
-        self.reason = reason
-        self.detail = detail
-        self.lost = lost
-        """The worker itself failed (mark it unhealthy), not just this request on it."""
-
-
-def _details(e: grpc.RpcError) -> str:
-    code = e.code() if hasattr(e, "code") else None
-    det = e.details() if hasattr(e, "details") else str(e)
-    return f"{code.name if code else 'error'}: {det}"
-
-
-def _code(e: BaseException) -> grpc.StatusCode | None:
-    return e.code() if isinstance(e, grpc.RpcError) and hasattr(e, "code") else None
+"""Most times one request is planned again from the top because no worker fitted it
+when its prefill slot came (see :class:`~splitserve_worker.router.failures.Stale`)."""
 
 
 class Dispatcher:
@@ -172,30 +150,27 @@ class Dispatcher:
                     min_tokens=max(0, req.sampling.min_tokens - len(produced)),
                 )
                 plan = await self._plan(prompt, frozenset(failed))
-                self._decisions.labels(decision=plan.decision.where.value).inc()
                 rid = f"{req.request_id}.{attempt}"
                 attempt += 1
                 try:
                     # aclosing: a consumer that leaves ends the attempt (and its cleanup) now
                     async with contextlib.aclosing(
-                        self._attempt(rid, plan, prompt, sampling)
+                        self._attempt(rid, plan, prompt, sampling, frozenset(failed))
                     ) as events:
                         async for ev in events:
                             produced.extend(ev.token_ids)
                             yield ev
                             if ev.finish_reason is not None:
                                 return
-                    raise _AttemptFailed(
-                        plan.decode.worker.name, "decode_lost", "stream ended early", lost=True
-                    )
-                except _Stale:
+                    raise AssertionError(f"attempt {rid} ended without a finish reason")
+                except Stale:
                     replans += 1
                     if replans <= MAX_REPLANS:
                         continue
                     raise RequestFailed(
                         503, "the workers planned for this request kept going down; retry later"
                     ) from None
-                except _AttemptFailed as e:
+                except AttemptFailed as e:
                     failures += 1
                     failed.add(e.worker)
                     if e.lost:
@@ -226,23 +201,41 @@ class Dispatcher:
                     ) from None
             await self.pool.wait_change(0.1)
 
+    def _replan(self, prompt: tuple[int, ...], failed: frozenset[str]) -> Plan:
+        """The plan made again from the pool as it is now: while a request waited for its
+        prefill slot, the workers it picked may have become busier than others, or gone
+        down. Raises :class:`Stale` when no worker fits now."""
+        try:
+            return self.planner.plan(
+                len(prompt), self.hasher(prompt), self.pool.snapshot(), exclude=failed
+            )
+        except NoWorker:
+            raise Stale() from None
+
     async def _attempt(
-        self, rid: str, plan: Plan, prompt: tuple[int, ...], sampling: Sampling
+        self,
+        rid: str,
+        plan: Plan,
+        prompt: tuple[int, ...],
+        sampling: Sampling,
+        failed: frozenset[str],
     ) -> AsyncGenerator[TokenEvent, None]:
         t = self.config.timeouts
-        d_name = plan.decode.worker.name
         touched: list[WorkerConn] = []
         finished = assigned = False
         pump: asyncio.Task[None] | None = None
         queue: asyncio.Queue[Any] = asyncio.Queue()
         slot: Admission | None = None
         if plan.prefill is not None:
+            waits = not self.prefill_stage.has_room
             slot = await self.prefill_stage.admit()  # before any worker is touched
         try:
-            if plan.prefill is not None and not (
-                self.pool.healthy(d_name) and self.pool.healthy(plan.prefill.worker.name)
-            ):
-                raise _Stale()
+            if slot is not None and waits:
+                plan = self._replan(prompt, failed)
+                if plan.prefill is None:  # local now after all: the slot is not needed
+                    slot.release()
+            self._decisions.labels(decision=plan.decision.where.value).inc()
+            d_name = plan.decode.worker.name
             dconn = self.pool.conn(d_name)
             touched.append(dconn)
             self.pool.assign(d_name, +1)
@@ -270,11 +263,11 @@ class Dispatcher:
                 try:
                     item = await asyncio.wait_for(queue.get(), wait)
                 except TimeoutError:
-                    raise _AttemptFailed(
+                    raise AttemptFailed(
                         d_name, "decode_lost", f"no token within {wait:g} s", lost=True
                     ) from None
                 if item is None:
-                    return
+                    raise AttemptFailed(d_name, "decode_lost", "stream ended early", lost=True)
                 if isinstance(item, BaseException):
                     self._raise_stream_error(d_name, item)
                 first = False
@@ -282,7 +275,7 @@ class Dispatcher:
                 if fr == "error":
                     raise RequestFailed(400, f"the worker refused the request: {item.error}")
                 if fr == "abort":
-                    raise _AttemptFailed(d_name, "decode_lost", "aborted by the worker", lost=False)
+                    raise AttemptFailed(d_name, "decode_lost", "aborted by the worker", lost=False)
                 if fr is not None:
                     finished = True
                 yield TokenEvent(
@@ -294,18 +287,18 @@ class Dispatcher:
             if slot is not None:
                 slot.release()  # however the attempt ended before its prefill did
             if assigned:
-                self.pool.assign(d_name, -1)
+                self.pool.assign(plan.decode.worker.name, -1)
             if pump is not None:
                 pump.cancel()
             if not finished and touched:
                 self._spawn_cleanup(rid, touched)
 
     def _raise_stream_error(self, d_name: str, e: BaseException) -> None:
-        code = _code(e)
+        code = rpc_code(e)
         if code is grpc.StatusCode.INVALID_ARGUMENT and isinstance(e, grpc.RpcError):
             raise RequestFailed(400, f"the worker refused the request: {e.details()}")
-        detail = _details(e) if isinstance(e, grpc.RpcError) else repr(e)
-        raise _AttemptFailed(d_name, "decode_lost", detail, lost=code in _LOST or code is None)
+        detail = rpc_details(e) if isinstance(e, grpc.RpcError) else repr(e)
+        raise AttemptFailed(d_name, "decode_lost", detail, lost=code in LOST_CODES or code is None)
 
     def _start(
         self,
@@ -336,15 +329,15 @@ class Dispatcher:
         t = self.config.timeouts
         compat = self.pool.compat(p_name)
         if compat is None:
-            raise _AttemptFailed(p_name, "prefill_failed", "no health answer yet", lost=False)
+            raise AttemptFailed(p_name, "prefill_failed", "no health answer yet", lost=False)
         try:
             return await dconn.reserve(
                 rid, n, compat, lease_s, self.config.kv_backend, timeout=t.connect_s
             )
         except grpc.RpcError as e:
-            code = _code(e)
-            raise _AttemptFailed(
-                d_name, "reserve_failed", f"Reserve: {_details(e)}", lost=code in _LOST
+            code = rpc_code(e)
+            raise AttemptFailed(
+                d_name, "reserve_failed", f"Reserve: {rpc_details(e)}", lost=code in LOST_CODES
             ) from None
 
     async def _prefill(
@@ -362,19 +355,19 @@ class Dispatcher:
         try:
             resp = await pconn.prefill(rid, prompt, sampling, handle, timeout=t.prefill_s)
         except grpc.RpcError as e:
-            code = _code(e)
+            code = rpc_code(e)
             if code is grpc.StatusCode.INVALID_ARGUMENT:
                 msg = f"the prefill worker refused the request: {e.details()}"
                 raise RequestFailed(400, msg) from None
             # the push reaches the decode worker: when it is down, it is the one to blame
             if not await self._answers(dconn):
-                raise _AttemptFailed(
+                raise AttemptFailed(
                     d_name, "decode_lost", "decode worker unreachable during the push", lost=True
                 ) from None
             # both answer: the request failed (say its lease ran out under load), not a worker
-            lost = code in _LOST and not await self._answers(pconn)
-            raise _AttemptFailed(
-                p_name, "prefill_failed", f"Prefill: {_details(e)}", lost=lost
+            lost = code in LOST_CODES and not await self._answers(pconn)
+            raise AttemptFailed(
+                p_name, "prefill_failed", f"Prefill: {rpc_details(e)}", lost=lost
             ) from None
         self.planner.estimator.observe_prefill(
             len(prompt) - resp.num_cached_tokens,

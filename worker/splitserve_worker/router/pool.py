@@ -72,10 +72,6 @@ class WorkerPool:
     def has(self, name: str) -> bool:
         return name in self._members
 
-    def healthy(self, name: str) -> bool:
-        m = self._members.get(name)
-        return m is not None and m.view.healthy
-
     def count(self, side: Callable[[Role], bool]) -> int:
         return sum(1 for v in self._snapshot if v.healthy and side(v.role))
 

@@ -64,6 +64,11 @@ class Stage:
     def waiting(self) -> int:
         return len(self._waiters)
 
+    @property
+    def has_room(self) -> bool:
+        """Whether :meth:`acquire` would return at once."""
+        return self._active < self._capacity and not self._waiters
+
     def set_capacity(self, capacity: int) -> None:
         self._capacity = max(0, capacity)
         self._wake()
