@@ -72,7 +72,7 @@ def check(outcomes: list[Any], expected: list[list[int]], kit: Any) -> int:
 
 async def scenario(
     stack: Any, kit: Any, model: Path, salt: int, fault: Callable[[], Awaitable[None]]
-) -> tuple[list[Any], dict[int, Any], dict[int, int]]:
+) -> tuple[list[Any], dict[int, Any], dict[str, int]]:
     prompts = [kit.prompt_of(salt * 1000 + i) for i in range(N)]
     expected = await asyncio.to_thread(kit.reference_tokens, model, prompts, MAX_TOKENS)
     await stack.wait_router_sees(stack.survivors())
@@ -102,7 +102,7 @@ def test_router_connection_to_a_decode_worker_dropped(
     d = DECODE[0]
 
     async def fault() -> None:
-        await wait_for(lambda: _running(s, d), 20, "a request streaming on the decode worker")
+        await _watch(s, (d,), lambda h: h.running > 0, "a request streaming on the decode worker")
         assert s.relays[d].drop() > 0
 
     async def go() -> None:
@@ -119,7 +119,7 @@ def test_decode_worker_frozen_past_its_lease(
     d = DECODE[1]
 
     async def fault() -> None:
-        await wait_for(lambda: _running(s, d), 20, "a request streaming on the decode worker")
+        await _watch(s, (d,), lambda h: h.running > 0, "a request streaming on the decode worker")
         s.freeze(d)
         await asyncio.sleep(2 * kit.lease_s + 1)
         s.thaw(d)
@@ -139,7 +139,10 @@ def test_prefill_worker_killed_mid_prefill(
     p = PREFILL[0]
 
     async def fault() -> None:
-        await _leases(s, DECODE, "a handoff in progress")
+        # this prefill worker holding a prompt (prefilling it, or pushing its KV): a
+        # handoff seen on a decode worker may be the other prefill worker's, and killing
+        # this one then may hit nothing once the batch's prefills are over
+        await _watch(s, (p,), lambda h: h.prefilling > 0, "a prefill in progress")
         freeze_then_kill(s, p)
 
     async def go() -> None:
@@ -182,13 +185,9 @@ def test_decode_worker_killed_mid_stream(fault_stack: Any, kit: Any, tiny_model_
     assert len(live) >= 2, "an earlier scenario left fewer than two decode workers"
 
     async def fault() -> None:
-        async def busy() -> int | None:
-            for i in live:
-                if await _running(s, i, 5):
-                    return i + 1  # truthy even for index 0
-            return None
-
-        d = await wait_for(busy, 20, "requests streaming on a decode worker") - 1
+        d = await _watch(
+            s, tuple(live), lambda h: h.running >= 5, "5 requests streaming on a decode worker"
+        )
         freeze_then_kill(s, d)
 
     async def go() -> None:
@@ -211,24 +210,21 @@ def freeze_then_kill(s: Any, i: int) -> None:
     s.stopped.discard(i)
 
 
-async def _running(s: Any, i: int, at_least: int = 1) -> bool:
-    try:
-        return (await s.health(i)).running >= at_least
-    except Exception:
-        return False
+class _HealthWatch:
+    """Polls some workers' Health together, over one channel each, until one of them
+    shows ``pred``. On the tiny model a handoff lasts milliseconds: a fresh channel per
+    call, one worker after another, can miss every one of them on a busy machine."""
 
-
-class _LeaseWatch:
-    """Polls some workers' Health together, over one channel each, for a reservation (a
-    handoff in flight). On the tiny model a handoff lasts milliseconds: a fresh channel
-    per call, one worker after another, can miss every one of them on a busy machine."""
-
-    def __init__(self, s: Any, workers: tuple[int, ...]) -> None:
+    def __init__(self, s: Any, workers: tuple[int, ...], pred: Callable[[Any], bool]) -> None:
         self._s = s
         self._workers = [i for i in workers if i in s.survivors()]
+        self._pred = pred
         self._clients: dict[int, WorkerClient] = {}
+        self.polls = 0
+        self.last: dict[int, str] = {}
+        """Per worker, what its last answer was: for the message when nothing matched."""
 
-    async def __aenter__(self) -> _LeaseWatch:
+    async def __aenter__(self) -> _HealthWatch:
         self._clients = {
             i: WorkerClient(self._s.address(i), self._s.token, timeout=2.0) for i in self._workers
         }
@@ -238,18 +234,31 @@ class _LeaseWatch:
         for c in self._clients.values():
             await c.close()
 
-    async def leased(self) -> int | None:
-        """A watched worker holding a reservation now, if any (``index + 1``: truthy)."""
+    async def seen(self) -> int | None:
+        """A watched worker showing ``pred`` now, if any (``index + 1``: truthy)."""
         got = await asyncio.gather(
             *(c.health() for c in self._clients.values()), return_exceptions=True
         )
+        self.polls += 1
         for i, h in zip(self._clients, got, strict=True):
-            if not isinstance(h, BaseException) and h.leases > 0:
+            if isinstance(h, BaseException):
+                self.last[i] = repr(h)[:120]
+                continue
+            self.last[i] = f"running {h.running} leases {h.leases} prefilling {h.prefilling}"
+            if self._pred(h):
                 return i + 1
         return None
 
 
+async def _watch(s: Any, workers: tuple[int, ...], pred: Callable[[Any], bool], what: str) -> int:
+    """Waits for a worker of ``workers`` whose Health shows ``pred``; returns its index."""
+    async with _HealthWatch(s, workers, pred) as watch:
+        try:
+            return int(await wait_for(watch.seen, 20, what)) - 1
+        except AssertionError as e:
+            raise AssertionError(f"{e} ({watch.polls} polls; last: {watch.last})") from None
+
+
 async def _leases(s: Any, workers: tuple[int, ...], what: str) -> int:
     """Waits for a worker of ``workers`` to hold a reservation; returns its index."""
-    async with _LeaseWatch(s, workers) as watch:
-        return int(await wait_for(watch.leased, 20, what)) - 1
+    return await _watch(s, workers, lambda h: h.leases > 0, what)
