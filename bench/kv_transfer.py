@@ -33,18 +33,16 @@ import asyncio
 import itertools
 import multiprocessing as mp
 import os
-import resource
 import socket
 import time
-from dataclasses import dataclass
 from multiprocessing import shared_memory
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("UCX_TLS", "cma,tcp")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 import torch
+from cpu_clock import CpuClock, Measured, cpu_report
 from kv_overlap import TOKEN, bench_exposed
 
 LAYERS, HEADS, DIM, TOKENS, BLOCK = 8, 8, 128, 4096, 16
@@ -176,39 +174,6 @@ async def _kv_receiver_async(backend: str, q_out: Any, q_in: Any) -> None:
 # ---------------------------------------------------------------- measurements
 
 
-def cpu_seconds(pid: int | None = None) -> float:
-    """User + system CPU seconds, all threads, of this process or of process ``pid``
-    (from ``/proc``: Linux; clock ticks, so 10 ms grain)."""
-    if pid is None:
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-class CpuClock:
-    """CPU time of the sending process (this one) and the receiving one over timed spans."""
-
-    def __init__(self, receiver_pid: int | None) -> None:
-        self._pid = receiver_pid
-        self.reset()
-
-    def reset(self) -> None:
-        self.send = self.recv = self.wall = 0.0
-        self.spans = 0
-
-    def __enter__(self) -> None:
-        self._s0, self._r0 = cpu_seconds(), cpu_seconds(self._pid) if self._pid else 0.0
-        self._t0 = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.wall += time.perf_counter() - self._t0
-        self.send += cpu_seconds() - self._s0
-        if self._pid:
-            self.recv += cpu_seconds(self._pid) - self._r0
-        self.spans += 1
-
-
 class TcpRun:
     """A receiver process reading each 256 MiB into one preallocated buffer."""
 
@@ -311,20 +276,6 @@ class ShmRun:
         self._shm.unlink()
 
 
-@dataclass
-class Measured:
-    """One side of a side-by-side run: best GB/s; mean wall and CPU seconds per push."""
-
-    gbs: float
-    wall: float
-    cpu_send: float
-    cpu_recv: float
-
-    @property
-    def cpu_total(self) -> float:
-        return self.cpu_send + self.cpu_recv
-
-
 def side_by_side(a: Any, b: Any, repeats: int) -> tuple[Measured, Measured]:
     """Best GB/s of each, their runs interleaved so that load on the host hits both alike."""
     for _ in range(2):  # warm-up: connections, page faults, registrations
@@ -341,21 +292,6 @@ def side_by_side(a: Any, b: Any, repeats: int) -> tuple[Measured, Measured]:
         return Measured(NBYTES / best / 1e9, r.cpu.wall / n, r.cpu.send / n, r.cpu.recv / n)
 
     return measured(a, ta), measured(b, tb)
-
-
-def cpu_report(name: str, m: Measured, base_name: str, base: Measured) -> str:
-    """CPU per push of a backend and its baseline (means), and the ratio that CPU alone
-    allows: with every usable core busy, a push takes at least its CPU time over the cores."""
-    cores = len(os.sched_getaffinity(0))
-    floor = m.cpu_total / cores
-    return (
-        f"  per {NBYTES >> 20} MiB push (mean): {name} {m.wall * 1e3:.0f} ms, CPU "
-        f"{m.cpu_send * 1e3:.0f} ms sending + {m.cpu_recv * 1e3:.0f} ms receiving; {base_name} "
-        f"{base.wall * 1e3:.0f} ms, CPU {base.cpu_send * 1e3:.0f} + {base.cpu_recv * 1e3:.0f} ms. "
-        f"{name} spends {m.cpu_total / base.cpu_total:.1f}x the CPU per byte: on {cores} cores "
-        f"a push needs >= {floor * 1e3:.0f} ms, so CPU alone caps the ratio near "
-        f"{base.wall / floor:.2f}"
-    )
 
 
 def main() -> None:
@@ -382,7 +318,7 @@ def main() -> None:
     grpc, tcp = side_by_side(BackendRun("grpc", src, blocks), TcpRun(src, args.repeats + 2),
                              args.repeats)  # fmt: skip
     print(f"grpc backend {grpc.gbs:.2f} GB/s   plain TCP {tcp.gbs:.2f} GB/s", flush=True)
-    print(cpu_report("grpc", grpc, "TCP", tcp), flush=True)
+    print(cpu_report("grpc", grpc, "TCP", tcp, NBYTES), flush=True)
     nixl_reason = unavailable_reason("nixl")
     if nixl_reason:
         nixl_gbs, shm = float("nan"), side_by_side(ShmRun(src), ShmRun(src), args.repeats)[0]
@@ -392,7 +328,7 @@ def main() -> None:
     print(f"nixl backend {nixl_gbs:.2f} GB/s   shared-memory copy {shm.gbs:.2f} GB/s"
           + (f"  (nixl skipped: {nixl_reason})" if nixl_reason else ""), flush=True)  # fmt: skip
     if not nixl_reason:
-        print(cpu_report("nixl", nixl, "the copy", shm), flush=True)
+        print(cpu_report("nixl", nixl, "the copy", shm, NBYTES), flush=True)
     exposed = float("nan")
     if not args.skip_model:
         exposed = bench_exposed(args.model, "grpc", args.repeats, args.prompt_len)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import resource
 import sys
 import threading
 import time
@@ -39,15 +38,11 @@ import grpc
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_clock import cpu_seconds
 from kv_transfer import NBYTES, ShmRun, TcpRun, _source
 
 MSG = 1 << 20
 METHOD = "/bench.Sink/Push"
-
-
-def _cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def _server(requests: Any, replies: Any) -> None:
@@ -64,7 +59,7 @@ def _server(requests: Any, replies: Any) -> None:
     replies.put(server.add_insecure_port("127.0.0.1:0"))
     server.start()
     while requests.get() == "cpu":
-        replies.put(_cpu_s())
+        replies.put(cpu_seconds())
     server.stop(0)
 
 
@@ -96,7 +91,7 @@ class BareGrpc:
         for call in calls:  # connect first
             call(iter([b"x"]))
         parts = [self.payload[i::streams] for i in range(streams)]
-        s0, c0 = self.server_cpu(), _cpu_s()
+        s0, c0 = self.server_cpu(), cpu_seconds()
         t0 = time.perf_counter()
         threads = [
             threading.Thread(target=call, args=(iter(part),))
@@ -107,7 +102,7 @@ class BareGrpc:
         for t in threads:
             t.join()
         dt = time.perf_counter() - t0
-        c1, s1 = _cpu_s(), self.server_cpu()
+        c1, s1 = cpu_seconds(), self.server_cpu()
         for ch in channels:
             ch.close()
         return dt, c1 - c0, s1 - s0
