@@ -142,9 +142,13 @@ class AsyncEngine:
                 self._stats = self.engine.stats()
                 loop.call_soon_threadsafe(_set_result, fut, result)
 
+        self._submit(run)
+        return await fut
+
+    def _submit(self, run: Callable[[], None]) -> None:
+        """Queue ``run`` for the engine thread and wake it."""
         self._calls.put(run)
         self._wake.set()
-        return await fut
 
     async def _call_for(self, request_id: str, fn: Callable[..., T], *args: Any) -> T:
         """:meth:`call` for a step that gives ``request_id`` blocks (a reservation, a new
@@ -166,8 +170,7 @@ class AsyncEngine:
                 log.exception("aborting %s after its caller left failed", request_id)
             self._stats = self.engine.stats()
 
-        self._calls.put(run)
-        self._wake.set()
+        self._submit(run)
 
     # ---- streams ----
     def _open(self, request_id: str) -> _Stream:

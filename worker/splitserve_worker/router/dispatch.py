@@ -149,13 +149,14 @@ class Dispatcher:
                     max_tokens=req.sampling.max_tokens - len(produced),
                     min_tokens=max(0, req.sampling.min_tokens - len(produced)),
                 )
-                plan = await self._plan(prompt, frozenset(failed))
+                hashes, excluded = self.hasher(prompt), frozenset(failed)
+                plan = await self._plan(prompt, hashes, excluded)
                 rid = f"{req.request_id}.{attempt}"
                 attempt += 1
                 try:
                     # aclosing: a consumer that leaves ends the attempt (and its cleanup) now
                     async with contextlib.aclosing(
-                        self._attempt(rid, plan, prompt, sampling, frozenset(failed))
+                        self._attempt(rid, plan, prompt, hashes, sampling, excluded)
                     ) as events:
                         async for ev in events:
                             produced.extend(ev.token_ids)
@@ -187,9 +188,10 @@ class Dispatcher:
         finally:
             admission.release()
 
-    async def _plan(self, prompt: tuple[int, ...], failed: frozenset[str]) -> Plan:
+    async def _plan(
+        self, prompt: tuple[int, ...], hashes: Sequence[int], failed: frozenset[str]
+    ) -> Plan:
         deadline = time.monotonic() + self.config.queues.max_wait_s
-        hashes = self.hasher(prompt)
         while True:
             snap = self.pool.snapshot()
             try:
@@ -201,14 +203,14 @@ class Dispatcher:
                     ) from None
             await self.pool.wait_change(0.1)
 
-    def _replan(self, prompt: tuple[int, ...], failed: frozenset[str]) -> Plan:
+    def _replan(
+        self, prompt: tuple[int, ...], hashes: Sequence[int], failed: frozenset[str]
+    ) -> Plan:
         """The plan made again from the pool as it is now: while a request waited for its
         prefill slot, the workers it picked may have become busier than others, or gone
         down. Raises :class:`Stale` when no worker fits now."""
         try:
-            return self.planner.plan(
-                len(prompt), self.hasher(prompt), self.pool.snapshot(), exclude=failed
-            )
+            return self.planner.plan(len(prompt), hashes, self.pool.snapshot(), exclude=failed)
         except NoWorker:
             raise Stale() from None
 
@@ -217,6 +219,7 @@ class Dispatcher:
         rid: str,
         plan: Plan,
         prompt: tuple[int, ...],
+        hashes: Sequence[int],
         sampling: Sampling,
         failed: frozenset[str],
     ) -> AsyncGenerator[TokenEvent, None]:
@@ -226,12 +229,13 @@ class Dispatcher:
         pump: asyncio.Task[None] | None = None
         queue: asyncio.Queue[Any] = asyncio.Queue()
         slot: Admission | None = None
+        waited = False
         if plan.prefill is not None:
-            waits = not self.prefill_stage.has_room
+            waited = not self.prefill_stage.has_room
             slot = await self.prefill_stage.admit()  # before any worker is touched
         try:
-            if slot is not None and waits:
-                plan = self._replan(prompt, failed)
+            if slot is not None and waited:
+                plan = self._replan(prompt, hashes, failed)
                 if plan.prefill is None:  # local now after all: the slot is not needed
                     slot.release()
             self._decisions.labels(decision=plan.decision.where.value).inc()
