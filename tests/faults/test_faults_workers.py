@@ -210,53 +210,45 @@ def freeze_then_kill(s: Any, i: int) -> None:
     s.stopped.discard(i)
 
 
-class _HealthWatch:
-    """Polls some workers' Health together, over one channel each, until one of them
-    shows ``pred``. On the tiny model a handoff lasts milliseconds: a fresh channel per
-    call, one worker after another, can miss every one of them on a busy machine."""
-
-    def __init__(self, s: Any, workers: tuple[int, ...], pred: Callable[[Any], bool]) -> None:
-        self._s = s
-        self._workers = [i for i in workers if i in s.survivors()]
-        self._pred = pred
-        self._clients: dict[int, WorkerClient] = {}
-        self.polls = 0
-        self.last: dict[int, str] = {}
-        """Per worker, what its last answer was: for the message when nothing matched."""
-
-    async def __aenter__(self) -> _HealthWatch:
-        self._clients = {
-            i: WorkerClient(self._s.address(i), self._s.token, timeout=2.0) for i in self._workers
-        }
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        for c in self._clients.values():
-            await c.close()
-
-    async def seen(self) -> int | None:
-        """A watched worker showing ``pred`` now, if any (``index + 1``: truthy)."""
-        got = await asyncio.gather(
-            *(c.health() for c in self._clients.values()), return_exceptions=True
-        )
-        self.polls += 1
-        for i, h in zip(self._clients, got, strict=True):
-            if isinstance(h, BaseException):
-                self.last[i] = repr(h)[:120]
-                continue
-            self.last[i] = f"running {h.running} leases {h.leases} prefilling {h.prefilling}"
-            if self._pred(h):
-                return i + 1
-        return None
-
-
 async def _watch(s: Any, workers: tuple[int, ...], pred: Callable[[Any], bool], what: str) -> int:
-    """Waits for a worker of ``workers`` whose Health shows ``pred``; returns its index."""
-    async with _HealthWatch(s, workers, pred) as watch:
-        try:
-            return int(await wait_for(watch.seen, 20, what)) - 1
-        except AssertionError as e:
-            raise AssertionError(f"{e} ({watch.polls} polls; last: {watch.last})") from None
+    """Waits for a worker of ``workers`` whose Health shows ``pred``; returns its index.
+
+    Each watched worker is polled on its own, over one channel, as fast as it answers: on
+    the tiny model a handoff lasts milliseconds, and waiting for the slowest of several
+    busy workers before polling again (or opening a channel per call) can miss them all."""
+    live = [i for i in workers if i in s.survivors()]
+    clients = {i: WorkerClient(s.address(i), s.token, timeout=2.0) for i in live}
+    hit: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    polls = dict.fromkeys(live, 0)
+    last: dict[int, str] = {}
+
+    async def poll(i: int, c: WorkerClient) -> None:
+        while not hit.done():
+            try:
+                h = await c.health()
+            except Exception as e:  # a busy or dying worker: say so, keep polling
+                last[i] = repr(e)[:120]
+                await asyncio.sleep(0.005)
+                continue
+            polls[i] += 1
+            last[i] = f"running {h.running} leases {h.leases} prefilling {h.prefilling}"
+            if pred(h) and not hit.done():
+                hit.set_result(i + 1)  # truthy even for index 0
+
+    async def seen() -> int | None:
+        return hit.result() if hit.done() else None
+
+    tasks = [asyncio.create_task(poll(i, c)) for i, c in clients.items()]
+    try:
+        return int(await wait_for(seen, 20, what)) - 1
+    except AssertionError as e:
+        raise AssertionError(f"{e} (polls {polls}; last: {last})") from None
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in clients.values():
+            await c.close()
 
 
 async def _leases(s: Any, workers: tuple[int, ...], what: str) -> int:
