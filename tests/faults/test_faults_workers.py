@@ -143,6 +143,10 @@ def test_prefill_worker_killed_mid_prefill(
         # handoff seen on a decode worker may be the other prefill worker's, and killing
         # this one then may hit nothing once the batch's prefills are over
         await _watch(s, (p,), lambda h: h.prefilling > 0, "a prefill in progress")
+        # frozen a while before the kill: the prefill seen may finish before the signal
+        # lands, but requests the router sends it meanwhile stay half done until it dies
+        s.freeze(p)
+        await asyncio.sleep(1.0)
         freeze_then_kill(s, p)
 
     async def go() -> None:
