@@ -29,6 +29,7 @@ from unittest import mock
 import httpx
 from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.commands.up import WorkerProc, WorkerProcs
+from splitserve_worker.kv.faults import ENV_HOLD_DIR
 from splitserve_worker.router.scoring import Role
 from splitserve_worker.server.client import WorkerClient
 
@@ -216,6 +217,21 @@ class Stack:
         self.procs.procs[i].proc.send_signal(signal.SIGCONT)
         self.stopped.discard(i)
 
+    def hold(self, i: int, point: str) -> Path:
+        """Arms hold ``point`` on worker ``i`` (see ``kv.faults.Holds``); returns the file
+        whose removal lets it go on."""
+        d = self.workdir / "holds" / str(self.procs.procs[i].proc.pid)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{point}.reached").unlink(missing_ok=True)
+        armed = d / point
+        armed.touch()
+        return armed
+
+    def reached(self, i: int, point: str) -> bool:
+        """Whether worker ``i`` has stopped at hold ``point`` since it was armed."""
+        d = self.workdir / "holds" / str(self.procs.procs[i].proc.pid)
+        return (d / f"{point}.reached").exists()
+
     def logs(self) -> list[str]:
         return [*self.procs.lines, *(f"[router] {line}" for line in self.router_lines)]
 
@@ -300,12 +316,13 @@ def start_stack(
     router_log_level: str = "info",
 ) -> Stack:
     token = token or secrets.token_hex(16)
+    env = {ENV_HOLD_DIR: str(workdir / "holds"), **(worker_env or {})}
     args = ["--lease-seconds", str(LEASE_S), "--num-blocks", "400", *worker_args]
     procs = CapturingWorkerProcs(str(model), roles, token, threads=1, extra_args=args, echo=False)
     relays: list[Relay] = []
     router: subprocess.Popen[str] | None = None
     try:
-        with mock.patch.dict(os.environ, dict(worker_env or {})):
+        with mock.patch.dict(os.environ, env):
             endpoints = procs.start(timeout_s=180.0)
         relays = [Relay(ep.address) for ep in endpoints]
         spec = ",".join(

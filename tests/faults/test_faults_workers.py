@@ -3,8 +3,9 @@
 One stack (two prefill, three decode workers, the router; real processes on 127.0.0.1)
 goes through the faults in order: the router's connections to a decode worker are cut,
 a decode worker is frozen (SIGSTOP) past its lease and thawed, a prefill worker is
-killed mid-prefill, a decode worker is killed mid-transfer, another mid-stream (each
-kill -9 comes right after a SIGSTOP, so the worker dies in the state it was seen in). After
+killed mid-prefill, a decode worker is killed mid-transfer, another mid-stream. Each kill
+-9 hits a worker held at a named point (``kv.faults.Holds``: half a push sent, half a push
+received, a stream after its first tokens) and comes right after a SIGSTOP. After
 each: no request hangs, each one completed with the right greedy tokens or ended with a
 clear error in the OpenAI shape, and every surviving worker is back to its starting
 free-block count with no lease, running or waiting request left.
@@ -139,21 +140,15 @@ def test_prefill_worker_killed_mid_prefill(
     p = PREFILL[0]
 
     async def fault() -> None:
-        # this prefill worker holding a prompt (prefilling it, or pushing its KV): a
-        # handoff seen on a decode worker may be the other prefill worker's, and killing
-        # this one then may hit nothing once the batch's prefills are over
-        await _watch(s, (p,), lambda h: h.prefilling > 0, "a prefill in progress")
-        # frozen a while before the kill: the prefill seen may finish before the signal
-        # lands, but requests the router sends it meanwhile stay half done until it dies
-        s.freeze(p)
-        await asyncio.sleep(1.0)
-        freeze_then_kill(s, p)
+        # the worker stops once a prompt's first layer went out, and dies there
+        await _kill_at(s, (p,), "push", "a push half sent by the prefill worker")
 
     async def go() -> None:
         before = await kit.router_metric(s, "splitserve_router_retries_total")
         mark = len(s.router_lines)
         outs, _, n = await scenario(s, kit, tiny_model_path, 3, fault)
         assert n["done"] == N, kit.describe(outs)
+        assert p not in s.survivors()
         after = await kit.router_metric(s, "splitserve_router_retries_total")
         seen = [ln for ln in s.router_lines[mark:] if "failed (" in ln]
         assert sum(after.values()) > sum(before.values()), f"none retried: {after}; {seen[-12:]}"
@@ -168,9 +163,9 @@ def test_decode_worker_killed_mid_transfer(
     killed: list[int] = []
 
     async def fault() -> None:
-        d = await _leases(s, DECODE, "a reservation on a decode worker")
-        freeze_then_kill(s, d)
-        killed.append(d)
+        # the first decode worker that wrote part of a push dies right there
+        live = tuple(i for i in DECODE if i in s.survivors())
+        killed.append(await _kill_at(s, live, "receive", "a push half received"))
 
     async def go() -> None:
         before = await kit.router_metric(s, "splitserve_router_retries_total")
@@ -185,14 +180,12 @@ def test_decode_worker_killed_mid_transfer(
 
 def test_decode_worker_killed_mid_stream(fault_stack: Any, kit: Any, tiny_model_path: Path) -> None:
     s = fault_stack
-    live = [i for i in DECODE if i in s.survivors()]
+    live = tuple(i for i in DECODE if i in s.survivors())
     assert len(live) >= 2, "an earlier scenario left fewer than two decode workers"
 
     async def fault() -> None:
-        d = await _watch(
-            s, tuple(live), lambda h: h.running >= 5, "5 requests streaming on a decode worker"
-        )
-        freeze_then_kill(s, d)
+        # the first decode worker to have sent a stream's first tokens dies right there
+        await _kill_at(s, live, "stream", "a stream held after its first tokens")
 
     async def go() -> None:
         before = await kit.router_metric(s, "splitserve_router_retries_total")
@@ -255,6 +248,18 @@ async def _watch(s: Any, workers: tuple[int, ...], pred: Callable[[Any], bool], 
             await c.close()
 
 
-async def _leases(s: Any, workers: tuple[int, ...], what: str) -> int:
-    """Waits for a worker of ``workers`` to hold a reservation; returns its index."""
-    return await _watch(s, workers, lambda h: h.leases > 0, what)
+async def _kill_at(s: Any, workers: tuple[int, ...], point: str, what: str) -> int:
+    """Arms hold ``point`` on ``workers``; the first to stop there is killed (the others
+    go on) and returned."""
+    armed = [s.hold(i, point) for i in workers]
+    try:
+
+        async def seen() -> int | None:
+            return next((i + 1 for i in workers if s.reached(i, point)), None)  # 0 is falsy
+
+        i = int(await wait_for(seen, 20, what)) - 1
+        freeze_then_kill(s, i)
+        return i
+    finally:
+        for f in armed:
+            f.unlink(missing_ok=True)

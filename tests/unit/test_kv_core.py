@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+
 import pytest
 import torch
 from splitserve_worker.kv import compat as compat_mod
 from splitserve_worker.kv import layout, transport
 from splitserve_worker.kv.compat import Compat, CompatError
-from splitserve_worker.kv.faults import FaultConfig, FaultInjector, InjectedFault
+from splitserve_worker.kv.faults import FaultConfig, FaultInjector, Holds, InjectedFault
 from splitserve_worker.kv.layout import PoolView, as_bytes, block_spans, slot_runs, token_chunks
 from splitserve_worker.kv.lease import LeaseError, LeaseTable, State
 
@@ -162,6 +168,58 @@ def test_fault_config_from_env_and_bounds() -> None:
         FaultConfig(corrupt_prob=1.5)
     with pytest.raises(ValueError, match="SPLITSERVE_FAULT_KV_FAIL_PROB"):
         FaultConfig.from_env({"SPLITSERVE_FAULT_KV_FAIL_PROB": "often"})
+
+
+def test_fault_config_reads_the_hold_directory_and_checks_the_seed() -> None:
+    cfg = FaultConfig.from_env({"SPLITSERVE_FAULT_HOLD_DIR": "/tmp/h"})
+    assert cfg.hold_dir == "/tmp/h" and cfg.holds == Holds("/tmp/h") and not cfg.enabled
+    assert FaultConfig.from_env({}).holds.directory is None
+    with pytest.raises(ValueError, match="SPLITSERVE_FAULT_SEED must be an integer"):
+        FaultConfig.from_env({"SPLITSERVE_FAULT_SEED": "x"})
+
+
+def test_an_unarmed_or_unconfigured_hold_returns_at_once(tmp_path: Path) -> None:
+    assert Holds().wait("push") is False
+    assert Holds(str(tmp_path)).wait("push") is False
+    assert asyncio.run(Holds(str(tmp_path)).wait_async("stream")) is False
+    assert not (tmp_path / str(os.getpid()) / "push.reached").exists()
+    with pytest.raises(ValueError, match="unknown hold point 'nap'"):
+        Holds(str(tmp_path)).wait("nap")
+
+
+def test_an_armed_hold_marks_itself_reached_and_waits_for_the_file_to_go(
+    tmp_path: Path,
+) -> None:
+    d = tmp_path / str(os.getpid())
+    d.mkdir()
+    (d / "receive").touch()
+    holds = Holds(str(tmp_path))
+    done = threading.Event()
+
+    def hold() -> None:
+        assert holds.wait("receive") is True
+        done.set()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not (d / "receive.reached").exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert (d / "receive.reached").exists()
+    assert not done.wait(0.1), "the hold let go while its file was there"
+    (d / "receive").unlink()
+    t.join(10)
+    assert done.is_set()
+
+    async def held_async() -> bool:
+        (d / "stream").touch()
+        waiter = asyncio.ensure_future(holds.wait_async("stream"))
+        await asyncio.sleep(0.1)
+        assert not waiter.done() and (d / "stream.reached").exists()
+        (d / "stream").unlink()
+        return await asyncio.wait_for(waiter, 10)
+
+    assert asyncio.run(held_async()) is True
 
 
 def test_fault_injector_fails_and_corrupts_on_demand() -> None:

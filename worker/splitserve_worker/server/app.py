@@ -107,6 +107,7 @@ async def start_worker(config: WorkerConfig, *, loaded: Any = None) -> RunningWo
             lease_seconds=config.lease_seconds,
             address=address,
             metrics=metrics,
+            holds=config.faults.holds,
         )
     prefill = None
     if config.serves_prefill:
@@ -125,6 +126,7 @@ async def start_worker(config: WorkerConfig, *, loaded: Any = None) -> RunningWo
         prefill=prefill,
         events=events,
         kv_backends=kv_backends,
+        holds=config.faults.holds,
     )
     add_to_server(service, server)
     await server.start()

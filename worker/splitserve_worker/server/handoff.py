@@ -21,6 +21,7 @@ from splitserve.v1 import worker_pb2 as pb
 
 from splitserve_worker.kv import compat as compat_mod
 from splitserve_worker.kv.compat import Compat, CompatError
+from splitserve_worker.kv.faults import Holds
 from splitserve_worker.kv.grpc_backend import GrpcReceiver
 from splitserve_worker.kv.kvwire import KVSpan
 from splitserve_worker.kv.layout import PoolView, as_bytes
@@ -52,8 +53,10 @@ class DecodeHandoff:
         lease_seconds: float,
         address: str,
         metrics: Metrics,
+        holds: Holds | None = None,
     ) -> None:
         self.engine = engine
+        self.holds = holds or Holds()
         self.compat = compat
         self.pool = pool
         self.leases = leases
@@ -150,6 +153,8 @@ class DecodeHandoff:
                     )
                 self._receiver().write(lease, msg)
                 self._bytes.labels("grpc", "received").inc(len(msg.data))
+                if self.holds.directory:
+                    await self.holds.wait_async("receive")
         except TransferError as e:
             assert lease is not None
             await self._end_push(lease)

@@ -124,10 +124,20 @@ class PrefillRunner:
             self._release_soon(handle, "prefill failed to open the push")
             raise RpcFailure(grpc.StatusCode.UNAVAILABLE, f"cannot push KV: {e}") from None
 
+        holds = self.ctx.faults.holds
+
+        def send_layer(layer: int, k: Any, v: Any, start_token: int) -> None:
+            sender.send_layer(layer, k, v, start_token)
+            if layer == 0:
+                holds.wait("push")
+
         t0 = time.monotonic()
         try:
             result = await self.engine.prefill_export(
-                req.request_id, list(req.prompt_token_ids), sampling, sender.send_layer
+                req.request_id,
+                list(req.prompt_token_ids),
+                sampling,
+                send_layer if holds.directory else sender.send_layer,
             )
         except BaseException as e:
             sender.abort(f"prefill failed: {e!r}")

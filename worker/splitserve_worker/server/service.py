@@ -17,6 +17,7 @@ from splitserve.v1 import worker_pb2_grpc
 
 from splitserve_worker import __version__
 from splitserve_worker.kv.compat import Compat
+from splitserve_worker.kv.faults import Holds
 from splitserve_worker.kv.kvwire import KVSpan
 from splitserve_worker.server.convert import (
     chunk_from_output,
@@ -61,6 +62,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         prefill: PrefillRunner | None,
         events: EventHub,
         kv_backends: list[str],
+        holds: Holds | None = None,
     ) -> None:
         self.role = role
         self.engine = engine
@@ -69,6 +71,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.prefill = prefill
         self.events = events
         self.kv_backends = kv_backends
+        self.holds = holds or Holds()
 
     def _decode(self) -> DecodeHandoff:
         if self.handoff is None:
@@ -179,8 +182,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             return
         if first is not None:
             yield first
+        sent = first is not None
         try:
             async for out in stream:
+                if sent and self.holds.directory:
+                    await self.holds.wait_async("stream")
+                sent = True
                 chunk = chunk_from_output(out)
                 if first is not None and not chunk.num_prompt_tokens:
                     chunk.num_prompt_tokens = first.num_prompt_tokens
