@@ -42,6 +42,8 @@ lint: setup
 
 typecheck: setup
 	$(BIN)/mypy operator/splitserve_operator worker/splitserve_worker
+	@# package bases: each test tier has its own conftest module
+	$(BIN)/mypy --explicit-package-bases bench tests
 
 imports: setup
 	$(BIN)/lint-imports

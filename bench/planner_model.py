@@ -165,7 +165,7 @@ class QueueModel:
             self._decode_q.append(r)
         # decode admission (KV slots)
         slots = self._ready[1] * prm.kv_slots
-        admitted = []
+        admitted: list[_Req] = []
         while self._decode_q and len(self._running) + len(admitted) < slots:
             admitted.append(self._decode_q.popleft())
         if admitted:

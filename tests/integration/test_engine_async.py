@@ -36,7 +36,7 @@ async def _collect(agen) -> list[int]:  # type: ignore[no-untyped-def]
 async def test_concurrent_streams_match_the_sync_engine(tiny: LoadedModel) -> None:
     prompts = [list(range(3, 3 + n)) for n in (4, 20, 37, 9)]
     sync = Engine(tiny, EngineConfig(num_blocks=64))
-    want = {}
+    want: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
         sync.add_request(str(i), p, SamplingParams(max_tokens=8, ignore_eos=True))
     while sync.has_work():

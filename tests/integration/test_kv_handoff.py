@@ -316,8 +316,6 @@ def test_events_stream_prefix_cache_stores(tiny_model_path: Path) -> None:
 
 
 def test_transfer_metrics_are_served(tiny_model_path: Path) -> None:
-    import urllib.request
-
     async def scenario() -> None:
         async with workers(tiny_model_path, "prefill", "decode", metrics_port=0) as ws:
             p, d = clients(ws)
@@ -327,9 +325,7 @@ def test_transfer_metrics_are_served(tiny_model_path: Path) -> None:
             texts = {}
             for w, direction in ((ws[0], "sent"), (ws[1], "received")):
                 url = f"http://127.0.0.1:{w.metrics_port}/metrics"
-                texts[direction] = await asyncio.to_thread(
-                    lambda u=url: urllib.request.urlopen(u, timeout=5).read().decode()
-                )
+                texts[direction] = await asyncio.to_thread(_get_text, url)
                 want = (f'splitserve_kv_transfer_bytes_total{{backend="grpc",'
                         f'direction="{direction}"}} {float(kv_bytes)}')  # fmt: skip
                 assert want in texts[direction], texts[direction][:2000]
@@ -369,3 +365,10 @@ def test_health_counts_prefills_in_progress(tiny_model_path: Path) -> None:
                 await d.release("silent")
 
     asyncio.run(scenario())
+
+
+def _get_text(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return str(r.read().decode())

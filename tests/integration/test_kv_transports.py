@@ -148,10 +148,12 @@ def test_nixl_layers_spread_over_posting_lanes(lanes: int) -> None:
             sender_backend = NixlSenderBackend(BackendContext(compat=COMPAT, token=TOKEN), lanes)
             posted: list[tuple[int, int]] = []
             for i, lane in enumerate(sender_backend.lanes):
-                put = lane.jobs.put
-                lane.jobs.put = lambda job, i=i, put=put: (posted.append((i, job.layer)), put(job))[
-                    1
-                ]  # type: ignore[method-assign]
+
+                def put(job: Any, i: int = i, put: Any = lane.jobs.put) -> None:
+                    posted.append((i, job.layer))
+                    put(job)
+
+                lane.jobs.put = put  # type: ignore[method-assign]
             kv = fresh_kv(n, 3)
             sender = sender_backend.open(target)
             for layer in range(L):

@@ -119,7 +119,7 @@ def test_stale_resource_version_in_a_merge_patch_is_409(kube_client) -> None:
 
 def test_json_patch_test_failure_is_422_and_changes_nothing(kube_client) -> None:
     made = kube_client.create(_cm("jp"))
-    ops = [
+    ops: list[dict[str, Any]] = [
         {"op": "test", "path": "/metadata/resourceVersion", "value": "nope"},
         {"op": "add", "path": "/metadata/finalizers", "value": ["x"]},
     ]

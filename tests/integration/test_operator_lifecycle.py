@@ -144,7 +144,7 @@ def test_an_edited_deployment_is_restored(
     def restored() -> bool:
         d = deployment(kube_client, "demo-decode")
         return (
-            bool(d)
+            d is not None
             and d["spec"]["replicas"] == 1
             and d["spec"]["template"]["spec"]["containers"][0]["image"] == "splitserve/worker:0.1.0"
         )

@@ -23,7 +23,9 @@ class FakeNvml:
 
     NVMLError = FakeNVMLError
 
-    def __init__(self, devices: list[tuple[int, int, int]], broken: set[int] = frozenset()) -> None:
+    def __init__(
+        self, devices: list[tuple[int, int, int]], broken: frozenset[int] = frozenset()
+    ) -> None:
         self.devices = devices  # (util %, used bytes, total bytes)
         self.broken = broken
 
@@ -65,7 +67,8 @@ def test_values_from_nvml() -> None:
 @pytest.mark.unit
 def test_a_failing_gpu_is_skipped_not_fatal() -> None:
     registry = CollectorRegistry()
-    register_gpu_collector(registry, FakeNvml([(50, 10, 100), (70, 20, 100)], broken={0}))
+    nvml = FakeNvml([(50, 10, 100), (70, 20, 100)], broken=frozenset({0}))
+    register_gpu_collector(registry, nvml)
     v = _values(registry)
     assert (GPU_UTILIZATION.name, "0") not in v
     assert v[(GPU_UTILIZATION.name, "1")] == 0.7

@@ -31,7 +31,7 @@ def instructions(name: str) -> list[tuple[str, str]]:
 
 
 def base_images(name: str) -> list[str]:
-    args = {}
+    args: dict[str, str] = {}
     images = []
     for word, rest in instructions(name):
         if word == "ARG" and "=" in rest:

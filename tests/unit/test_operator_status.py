@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 import pytest
 from splitserve_operator.spec import Pool
@@ -37,8 +38,8 @@ def deployment(
     }
 
 
-def conditions(status: dict[str, object]) -> dict[str, dict[str, object]]:
-    return {c["type"]: c for c in status["conditions"]}  # type: ignore[index, union-attr]
+def conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in status["conditions"]}
 
 
 def pools(**ready: int) -> dict[Pool, PoolObservation | None]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 from kubernetes.client import (
     V1Container,
@@ -66,7 +68,7 @@ def pod(
             name=name,
             namespace="ns",
             labels=labels,
-            deletion_timestamp="2026-01-01T00:00:00Z" if deleting else None,
+            deletion_timestamp=datetime(2026, 1, 1, tzinfo=UTC) if deleting else None,
         ),
         spec=V1PodSpec(containers=[V1Container(name="worker", ports=ports)]),
         status=V1PodStatus(
