@@ -42,6 +42,7 @@ TPOT_P90 = (
 LIGHT, HEAVY = 1, 16
 """Concurrent streaming clients in the light and the heavy phase."""
 CALIBRATION_S = 12.0
+CALIBRATION_TRIES = 3
 SLO_POSITION = 0.6
 """Where the TPOT SLO sits between the light and heavy p90, on a log scale: light
 load runs at (light/heavy)^0.6 of it, heavy load at (heavy/light)^0.4 of it."""
@@ -190,10 +191,16 @@ def test_decode_scales_up_when_tpot_breaks_the_slo_and_down_when_load_stops(
     inference_service: Callable[..., dict[str, Any]],
     wait_for: Callable[..., Any],
 ) -> None:
-    # Calibrate on this machine: TPOT p90 with 1 and with 16 concurrent streams.
-    light = _measure(prometheus, stack, LIGHT)
-    heavy = _measure(prometheus, stack, HEAVY)
-    assert heavy >= 1.5 * light, f"16 streams ({heavy:.4f}s) barely slower than 1 ({light:.4f}s)"
+    # Calibrate on this machine: TPOT p90 with 1 and with 16 concurrent streams. They are
+    # usually 2x apart here; a noisy spell can hide that, so a close pair is measured again.
+    seen: list[tuple[float, float]] = []
+    for _ in range(CALIBRATION_TRIES):
+        light = _measure(prometheus, stack, LIGHT)
+        heavy = _measure(prometheus, stack, HEAVY)
+        seen.append((light, heavy))
+        if heavy >= 1.5 * light:
+            break
+    assert heavy >= 1.5 * light, f"16 streams barely slower than 1: (light, heavy) s {seen}"
     slo = light * (heavy / light) ** SLO_POSITION
 
     with ReadyMirror(kube_client, [f"{NAME}-prefill", f"{NAME}-decode"]):
