@@ -193,14 +193,14 @@ def test_decode_scales_up_when_tpot_breaks_the_slo_and_down_when_load_stops(
 ) -> None:
     # Calibrate on this machine: TPOT p90 with 1 and with 16 concurrent streams. They are
     # usually 2x apart here; a noisy spell can hide that, so a close pair is measured again.
-    seen: list[tuple[float, float]] = []
+    calibrations: list[tuple[float, float]] = []
     for _ in range(CALIBRATION_TRIES):
         light = _measure(prometheus, stack, LIGHT)
         heavy = _measure(prometheus, stack, HEAVY)
-        seen.append((light, heavy))
+        calibrations.append((light, heavy))
         if heavy >= 1.5 * light:
             break
-    assert heavy >= 1.5 * light, f"16 streams barely slower than 1: (light, heavy) s {seen}"
+    assert heavy >= 1.5 * light, f"16 streams barely slower than 1: (light, heavy) s {calibrations}"
     slo = light * (heavy / light) ** SLO_POSITION
 
     with ReadyMirror(kube_client, [f"{NAME}-prefill", f"{NAME}-decode"]):
