@@ -74,6 +74,21 @@ def test_overview_shows_the_slo_and_goodput() -> None:
     assert {"Time to first token", "Time per output token", "Goodput"} <= titles
 
 
+def test_slo_choices_are_the_bucket_bounds_of_their_own_histogram() -> None:
+    from prometheus_client.utils import floatToGoString
+    from splitserve_worker.metrics import names
+
+    model = build_all()["overview.json"]
+    options = {
+        v["name"]: [o["value"] for o in v["options"]]
+        for v in model["templating"]["list"]
+        if v["name"].endswith("_slo")
+    }
+    for var, spec in (("ttft_slo", names.TTFT), ("tpot_slo", names.TPOT)):
+        assert sorted(options[var], key=float) == [floatToGoString(b) for b in spec.buckets]
+    assert "0.0125" in options["tpot_slo"] and "0.0125" not in options["ttft_slo"]
+
+
 def test_uids_are_unique() -> None:
     uids = [m["uid"] for m in build_all().values()]
     assert len(uids) == len(set(uids))

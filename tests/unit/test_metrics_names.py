@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import urllib.request
 
@@ -53,6 +54,32 @@ def test_latency_buckets_cover_10ms_to_60s() -> None:
     b = names.LATENCY_BUCKETS
     assert list(b) == sorted(b)
     assert b[0] <= 0.01 and b[-1] >= 60.0
+
+
+def test_every_histogram_has_sorted_distinct_buckets() -> None:
+    for spec in names.ALL:
+        if spec.kind is names.Kind.HISTOGRAM:
+            b = spec.buckets
+            assert list(b) == sorted(set(b)) and b[0] > 0, spec.name
+
+
+def test_tpot_buckets_resolve_decode_slos_to_a_few_ms() -> None:
+    b = names.TPOT.buckets
+    assert b[0] <= 0.001 and b[-1] >= 2.0
+    # from 1 ms to 20 ms (where decode SLOs sit) no two bounds are more than 2.5 ms apart
+    low = [x for x in b if x <= 0.02]
+    assert low[-1] == 0.02 and max(y - x for x, y in itertools.pairwise(low)) <= 0.0025 + 1e-12
+
+
+def test_a_histogram_is_exported_with_its_own_buckets() -> None:
+    m = Metrics(CollectorRegistry())
+    m.histogram(names.TPOT).observe(0.0042)
+    m.histogram(names.TTFT).observe(0.42)
+    text = generate_latest(m.registry).decode()
+    assert f'{names.TPOT.name}_bucket{{le="0.004"}} 0.0' in text
+    assert f'{names.TPOT.name}_bucket{{le="0.005"}} 1.0' in text
+    assert f'{names.TTFT.name}_bucket{{le="0.005"}} 0.0' in text
+    assert f'{names.TTFT.name}_bucket{{le="0.004"}}' not in text
 
 
 def test_the_planner_and_operator_series_are_defined() -> None:

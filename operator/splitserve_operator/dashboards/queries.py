@@ -16,8 +16,11 @@ OPERATOR = 'namespace="$namespace",service="$service"'
 """The operator's series about the chosen InferenceService (its own labels)."""
 BY_ROLE = "role"
 QUANTILES = (0.5, 0.9, 0.99)
-SLO_BUCKETS = tuple(floatToGoString(b) for b in n.LATENCY_BUCKETS)
-"""Histogram ``le`` values as prometheus_client writes them ("1.0", "0.05")."""
+
+
+def le_values(spec: n.MetricSpec) -> tuple[str, ...]:
+    """A histogram's ``le`` values as prometheus_client writes them ("1.0", "0.05")."""
+    return tuple(floatToGoString(b) for b in spec.buckets)
 
 
 def match(label: str, value: str, op: str = "=") -> str:
@@ -78,18 +81,20 @@ VARIABLES = (
 )
 
 
-def _slo_variable(name: str, label: str, default: str) -> Variable:
-    """A choice of latency histogram bucket bound, ``default`` first."""
+def _slo_variable(name: str, label: str, spec: n.MetricSpec, default: str) -> Variable:
+    """A choice of ``spec``'s bucket bounds, ``default`` first."""
+    bounds = le_values(spec)
+    assert default in bounds, (spec.name, default)
     return Variable(
         name,
         label,
         kind="custom",
-        options=(default, *(b for b in SLO_BUCKETS if b != default)),
+        options=(default, *(b for b in bounds if b != default)),
         description="A histogram bucket bound: attainment counts requests at or under it",
     )
 
 
 SLO_VARIABLES = (
-    _slo_variable("ttft_slo", "TTFT SLO (s)", "1.0"),
-    _slo_variable("tpot_slo", "TPOT SLO (s)", "0.05"),
+    _slo_variable("ttft_slo", "TTFT SLO (s)", n.TTFT, "1.0"),
+    _slo_variable("tpot_slo", "TPOT SLO (s)", n.TPOT, "0.05"),
 )

@@ -17,14 +17,6 @@ class Kind(StrEnum):
     HISTOGRAM = "histogram"
 
 
-@dataclass(frozen=True)
-class MetricSpec:
-    name: str
-    kind: Kind
-    help: str
-    labels: tuple[str, ...] = ()
-
-
 PREFIX = "splitserve_"
 
 # Latency buckets (seconds) for SLOs from 10 ms to 60 s.
@@ -32,6 +24,24 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0,
 )  # fmt: skip
+
+# Time-per-output-token buckets: a few ms apart where decode SLOs sit (a TPOT p90 read
+# between 10 and 20 ms bounds could be anywhere between them), out to 5 s.
+TOKEN_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.0175, 0.02,
+    0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.125, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    """Bucket bounds, for a histogram."""
+
 
 # ---- router (the user-facing view) ----
 TTFT = MetricSpec(
@@ -43,6 +53,7 @@ TPOT = MetricSpec(
     PREFIX + "time_per_output_token_seconds",
     Kind.HISTOGRAM,
     "Mean time between output tokens of a request, after the first.",
+    buckets=TOKEN_LATENCY_BUCKETS,
 )
 E2E = MetricSpec(
     PREFIX + "e2e_request_latency_seconds",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
-from splitserve_worker.metrics.names import LATENCY_BUCKETS, Kind, MetricSpec
+from splitserve_worker.metrics.names import Kind, MetricSpec
 
 
 class Metrics:
@@ -26,7 +26,7 @@ class Metrics:
             m = Gauge(spec.name, spec.help, spec.labels, registry=self.registry)
         else:
             m = Histogram(
-                spec.name, spec.help, spec.labels, buckets=LATENCY_BUCKETS, registry=self.registry
+                spec.name, spec.help, spec.labels, buckets=spec.buckets, registry=self.registry
             )
         self._made[spec.name] = m
         return m
