@@ -217,10 +217,13 @@ class Stack:
         self.procs.procs[i].proc.send_signal(signal.SIGCONT)
         self.stopped.discard(i)
 
+    def _holds_of(self, i: int) -> Path:
+        """Worker ``i``'s folder of hold points (see ``kv.faults.Holds``)."""
+        return self.workdir / "holds" / str(self.procs.procs[i].proc.pid)
+
     def hold(self, i: int, point: str) -> Path:
-        """Arms hold ``point`` on worker ``i`` (see ``kv.faults.Holds``); returns the file
-        whose removal lets it go on."""
-        d = self.workdir / "holds" / str(self.procs.procs[i].proc.pid)
+        """Arms hold ``point`` on worker ``i``; returns the file whose removal lets it go on."""
+        d = self._holds_of(i)
         d.mkdir(parents=True, exist_ok=True)
         (d / f"{point}.reached").unlink(missing_ok=True)
         armed = d / point
@@ -229,8 +232,7 @@ class Stack:
 
     def reached(self, i: int, point: str) -> bool:
         """Whether worker ``i`` has stopped at hold ``point`` since it was armed."""
-        d = self.workdir / "holds" / str(self.procs.procs[i].proc.pid)
-        return (d / f"{point}.reached").exists()
+        return (self._holds_of(i) / f"{point}.reached").exists()
 
     def logs(self) -> list[str]:
         return [*self.procs.lines, *(f"[router] {line}" for line in self.router_lines)]
