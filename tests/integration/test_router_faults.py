@@ -177,15 +177,27 @@ def test_decode_lost_before_first_token_retries_then_clear_error(
         assert time.monotonic() - t0 < 30
 
 
+PENALTIES = {"repetition_penalty": 1.3, "frequency_penalty": 0.4, "presence_penalty": 0.2}
+
+
+@pytest.mark.parametrize("penalties", [{}, PENALTIES], ids=["plain", "penalties"])
 def test_decode_lost_mid_stream_migrates_with_identical_tokens(
-    stack_factory: Any, tokenizer: Any, hf_model: Any
+    stack_factory: Any, tokenizer: Any, hf_model: Any, penalties: dict[str, float]
 ) -> None:
+    """With penalties too: the worker that takes over counts the tokens already streamed
+    as output, not as prompt."""
     st = stack_factory([Role.BOTH, Role.BOTH])
     n = 300
     want = greedy(hf_model, PROMPT, n)
     with st.router(tokenizer, st.endpoints, timeouts=SLOW_HEALTH) as base:
         body = {"prompt": PROMPT, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True, "stream": True}  # fmt: skip
+                "return_token_ids": True, "stream": True, **penalties}  # fmt: skip
+        if penalties:
+            r = httpx.post(f"{base}/v1/completions", json={**body, "stream": False}, timeout=120)
+            assert r.status_code == 200, r.text
+            uninterrupted = r.json()["choices"][0]["token_ids"]
+            assert uninterrupted != want, "the penalties change no token"
+            want = uninterrupted
         got: list[int] = []
         killed = False
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:

@@ -1,5 +1,6 @@
 """Greedy completions through the router equal transformers' generate, for disaggregated,
-colocated and mixed stacks of real worker processes on 127.0.0.1."""
+colocated and mixed stacks of real worker processes on 127.0.0.1 (with and without a
+repetition penalty)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PROMPTS = [[5, 17, 99, 3, 42], list(range(10, 50)), [(i * 7919) % 250 for i in range(100)]]
 MAX_TOKENS = 12
+PENALTY = 1.5
 
 ALWAYS_REMOTE = "always"  # disaggregate every request these stacks can
 NIXL_SKIP = unavailable_reason("nixl")
@@ -37,14 +39,13 @@ def tokenizer(tiny_model_path: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(tiny_model_path))
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model_path: Path) -> list[list[int]]:
-    """transformers' own greedy generate, EOS ignored."""
+def _generate(model_path: Path, **kw: Any) -> list[list[int]]:
+    """transformers' own greedy generate of every prompt, EOS ignored."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
     model.generation_config.eos_token_id = None
     out = []
     for p in PROMPTS:
@@ -55,9 +56,20 @@ def reference(tiny_model_path: Path) -> list[list[int]]:
             max_new_tokens=MAX_TOKENS,
             do_sample=False,
             pad_token_id=0,
+            **kw,
         )
         out.append(gen[0, len(p) :].tolist())
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_path: Path) -> list[list[int]]:
+    return _generate(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def penalized(tiny_model_path: Path) -> list[list[int]]:
+    return _generate(tiny_model_path, repetition_penalty=PENALTY)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +95,7 @@ def router(token: str, tokenizer: Any, eps: list[WorkerEndpoint], **cfg: Any) ->
     return RouterThread(RouterService(config, tokenizer, StaticDiscovery(eps)))
 
 
-def complete(base: str, prompt: list[int], stream: bool) -> list[int]:
+def complete(base: str, prompt: list[int], stream: bool, **extra: Any) -> list[int]:
     body = {
         "prompt": prompt,
         "max_tokens": MAX_TOKENS,
@@ -91,6 +103,7 @@ def complete(base: str, prompt: list[int], stream: bool) -> list[int]:
         "ignore_eos": True,
         "return_token_ids": True,
         "stream": stream,
+        **extra,
     }
     if not stream:
         r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
@@ -144,6 +157,51 @@ def test_greedy_tokens_equal_transformers(
         assert made.get("local", 0) == 2 * len(PROMPTS) and made.get("remote", 0) == 0
     else:
         assert sum(made.values()) == 2 * len(PROMPTS)
+
+
+@pytest.mark.parametrize("stack", ["disaggregated", "colocated"])
+def test_repetition_penalty_tokens_equal_transformers(
+    stack: str,
+    workers: tuple[str, list[WorkerEndpoint]],
+    tokenizer: Any,
+    reference: Any,
+    penalized: Any,
+) -> None:
+    """The prefill worker penalises the prompt for the first token, the decode worker the
+    prompt and output for the rest: together, what transformers' generate does."""
+    assert penalized != reference, "the penalty changes no token: pick a stronger one"
+    token, eps = workers
+    by_role = {e.role: e for e in eps}
+    if stack == "disaggregated":
+        rt = router(token, tokenizer, [by_role[Role.PREFILL], by_role[Role.DECODE]],
+                    disaggregation=ALWAYS_REMOTE)  # fmt: skip
+    else:
+        rt = router(token, tokenizer, [by_role[Role.BOTH]])
+    with rt as base:
+        for prompt, want in zip(PROMPTS, penalized, strict=True):
+            assert complete(base, prompt, stream=True, repetition_penalty=PENALTY) == want
+
+
+def test_what_vllm_bench_serve_sends(
+    workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any
+) -> None:
+    """The body of `vllm bench serve`'s completions requests, as it sends it: every token
+    streams, and the last chunk before [DONE] is the usage, with no choice."""
+    token, eps = workers
+    body = {"model": "tiny", "prompt": "hello there", "repetition_penalty": 1.0,
+            "max_tokens": 6, "logprobs": None, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
+    with (
+        router(token, tokenizer, eps) as base,
+        httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r,
+    ):
+        assert r.status_code == 200, r.read()
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert all(len(c["choices"]) == 1 for c in chunks[:-1])
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.nixl

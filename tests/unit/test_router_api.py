@@ -59,7 +59,12 @@ def error_of(r: Any, status: int) -> dict[str, Any]:
         ({"prompt": ["a", "b"]}, "prompt", "batched prompts are not supported"),
         ({"prompt": [1, -3]}, "prompt", "greater than or equal to 0"),
         ({"prompt": "hi", "stop": [""]}, "stop", "must not be empty"),
-        ({"prompt": "hi", "presence_penalty": 1}, None, "not supported"),
+        ({"prompt": "hi", "presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
+        ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+        ({"prompt": "hi", "min_p": 1.5}, "min_p", "less than or equal to 1"),
+        ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids", "greater than or equal"),
+        ({"prompt": "hi", "messages": []}, "messages", "belongs to /v1/chat/completions"),
+        ({"prompt": "hi", "logit_bias": {"5": 1.0}}, None, "logit_bias is not supported"),
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, None, "only allowed"),
     ],
 )
@@ -73,11 +78,45 @@ def test_bad_completion_requests_say_what_is_wrong(
         assert err["param"] is not None and err["param"].startswith(param)
 
 
-def test_body_that_is_not_json(client: TestClient) -> None:
-    r = client.post(
-        "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
-    )
-    assert "JSON" in error_of(r, 400)["message"]
+@pytest.mark.parametrize(
+    ("content", "content_type", "words"),
+    [
+        (b'{"prompt": ', "application/json", "not valid JSON: Expecting value at character 11"),
+        (b"", "application/json", "the request body is empty"),
+        (b"[1, 2]", "application/json", "must be a JSON object, not an array"),
+        (b'"hi"', "application/json", "must be a JSON object, not a string"),
+        (b'{"prompt": "hi"}', "application/x-www-form-urlencoded", "Content-Type: application/"),
+    ],
+)
+def test_a_body_that_is_not_a_json_object_says_so(
+    client: TestClient, content: bytes, content_type: str, words: str
+) -> None:
+    r = client.post("/v1/completions", content=content, headers={"content-type": content_type})
+    err = error_of(r, 400)
+    assert words in err["message"] and err["param"] is None
+
+
+def test_the_sampling_options_load_generators_send_are_accepted(client: TestClient) -> None:
+    """What vLLM's and SGLang's serving benchmarks put in every request: valid, so it
+    waits for a worker (none answers here) rather than failing validation."""
+    vllm_bench = {"model": "tiny", "prompt": "hi", "repetition_penalty": 1.0, "max_tokens": 4,
+                  "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
+                  "ignore_eos": True}  # fmt: skip
+    sglang_bench = {"model": "tiny", "prompt": "hi", "temperature": 0.0, "best_of": 1,
+                    "max_tokens": 4, "stream": True, "ignore_eos": True}  # fmt: skip
+    tuned = {"prompt": "hi", "presence_penalty": 0.5, "frequency_penalty": 0.3, "min_p": 0.05,
+             "repetition_penalty": 1.1, "stop_token_ids": [2], "top_k": 20}  # fmt: skip
+    for body in (vllm_bench, sglang_bench, tuned):
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code != 400, r.text
+        assert r.status_code in (429, 503), r.text
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4,
+            "stream": True, "stream_options": {"include_usage": True},
+            "repetition_penalty": 1.0}  # fmt: skip
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code in (429, 503), r.text
+    err = error_of(client.post("/v1/chat/completions", json={**chat, "prompt": "x"}), 400)
+    assert "belongs to /v1/completions" in err["message"]
 
 
 def test_limits_checked_against_model_and_vocabulary(client: TestClient, tokenizer: Any) -> None:
@@ -89,6 +128,9 @@ def test_limits_checked_against_model_and_vocabulary(client: TestClient, tokeniz
     assert err["param"] == "max_tokens"
     err = error_of(client.post("/v1/completions", json={"prompt": [len(tokenizer) + 5]}), 400)
     assert "outside the vocabulary" in err["message"]
+    bad_stop = {"prompt": [1], "stop_token_ids": [len(tokenizer)]}
+    err = error_of(client.post("/v1/completions", json=bad_stop), 400)
+    assert err["param"] == "stop_token_ids" and "outside the vocabulary" in err["message"]
     err = error_of(
         client.post("/v1/completions", json={"prompt": [1], "max_tokens": 2, "min_tokens": 3}),
         400,

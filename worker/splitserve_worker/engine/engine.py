@@ -226,7 +226,10 @@ class Engine:
             self.scheduler.commit(s.seq, s.num_tokens, cache=self.config.enable_prefix_cache)
         if not sampling_seqs:
             return []
-        rows = [SampleRow(q.params, q.generator, self.stopper.suppressed(q)) for q in sampling_seqs]
+        rows = [
+            SampleRow(q.params, q.generator, self.stopper.suppressed(q), q.tokens, q.prompt_len)
+            for q in sampling_seqs
+        ]
         tokens, logprobs = sample(logits, rows)
         outputs = []
         for seq, tok, lp in zip(sampling_seqs, tokens, logprobs, strict=True):

@@ -61,7 +61,11 @@ def prefill_export(
     try:
         logits = export_forward(engine, seq, on_layer)
         engine.scheduler.commit(seq, 0, cache=engine.config.enable_prefix_cache)
-        rows = [SampleRow(sampling, seq.generator, engine.stopper.suppressed(seq))]
+        rows = [
+            SampleRow(
+                sampling, seq.generator, engine.stopper.suppressed(seq), seq.tokens, seq.prompt_len
+            )
+        ]
         tokens, logprobs = sample(logits, rows)
     finally:
         engine.scheduler.free_blocks_of(seq)

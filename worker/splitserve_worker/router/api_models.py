@@ -1,8 +1,8 @@
 """OpenAI-compatible request models (pydantic), with the checks the engine relies on.
 
 Unknown fields are refused with a message naming them, so a typo never goes
-unnoticed. Sampling options the engine does not implement (penalties, logit
-bias, n > 1, best_of) are accepted only at their neutral value.
+unnoticed. Sampling options the engine does not implement (logit bias, n > 1,
+best_of) are accepted only at their neutral value.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ class _Sampling(BaseModel):
     # vLLM extensions
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=1_000_000)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=64)
     return_token_ids: bool = False
     """Also return the generated token ids in each choice (``token_ids``)."""
 
@@ -60,8 +63,6 @@ class _Sampling(BaseModel):
     def _neutral(self) -> _Sampling:
         if self.n != 1:
             raise ValueError("n must be 1: this server returns one choice per request")
-        if self.presence_penalty != 0.0 or self.frequency_penalty != 0.0:
-            raise ValueError("presence_penalty and frequency_penalty are not supported; use 0")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self

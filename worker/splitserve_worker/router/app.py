@@ -137,11 +137,12 @@ def create_app(service: RouterService) -> FastAPI:
         if body.min_tokens > max_tokens:
             raise APIError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
         vocab = len(service.tokenizer)
-        bad = next((t for t in prompt if t >= vocab), None)
-        if bad is not None:
-            raise APIError(
-                400, f"token id {bad} is outside the vocabulary (size {vocab})", param="prompt"
-            )
+        for param, ids in (("prompt", prompt), ("stop_token_ids", body.stop_token_ids or ())):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise APIError(
+                    400, f"token id {bad} is outside the vocabulary (size {vocab})", param=param
+                )
         want_lp = bool(body.logprobs) if kind == "chat.completion" else body.logprobs is not None
         sampling = Sampling(
             temperature=body.temperature,
@@ -151,8 +152,13 @@ def create_app(service: RouterService) -> FastAPI:
             max_tokens=max_tokens,
             min_tokens=body.min_tokens,
             ignore_eos=body.ignore_eos,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
             stop=body.stop_strings(),
             logprobs=want_lp,
+            min_p=body.min_p,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
         )
         return Job(
             id=("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex,

@@ -148,6 +148,7 @@ class Dispatcher:
                     req.sampling,
                     max_tokens=req.sampling.max_tokens - len(produced),
                     min_tokens=max(0, req.sampling.min_tokens - len(produced)),
+                    resumed_tokens=len(produced),
                 )
                 hashes, excluded = self.hasher(prompt), frozenset(failed)
                 plan = await self._plan(prompt, hashes, excluded)

@@ -78,9 +78,37 @@ def _loc(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null"}  # fmt: skip
+
+
+_OTHER_ENDPOINT = {"messages": "/v1/chat/completions", "prompt": "/v1/completions"}
+
+
+def _body_problem(err: dict[str, Any]) -> str | None:
+    """What is wrong with a body that is not a JSON object at all (else ``None``)."""
+    loc = tuple(err.get("loc", ()))
+    if err.get("type") == "json_invalid":
+        where = f" at character {loc[1]}" if len(loc) > 1 else ""
+        reason = (err.get("ctx") or {}).get("error", "malformed")
+        return f"the request body is not valid JSON: {reason}{where}"
+    if loc != ("body",):
+        return None
+    got = err.get("input")
+    if err.get("type") == "missing":
+        return "the request body is empty: send a JSON object (Content-Type: application/json)"
+    if isinstance(got, bytes | bytearray):
+        return "the request body was not read as JSON: send it with Content-Type: application/json"
+    kind = _JSON_TYPES.get(type(got))
+    return f"the request body must be a JSON object, not {kind}" if kind else None
+
+
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
+    body = _body_problem(errors[0])
+    if body is not None:
+        return body, None
     msgs = []
     param = None
     for err in errors[:5]:
@@ -88,6 +116,8 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         param = param or where
         text = str(err.get("msg", "invalid value"))
         text = text.removeprefix("Value error, ")
+        if err.get("type") == "extra_forbidden" and where in _OTHER_ENDPOINT:
+            text += f" here (it belongs to {_OTHER_ENDPOINT[where]})"
         msgs.append(f"{where}: {text}" if where else text)
     return "; ".join(msgs), param
 

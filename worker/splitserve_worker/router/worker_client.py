@@ -29,6 +29,11 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     logprobs: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    resumed_tokens: int = 0
 
 
 class WorkerConn(Protocol):

@@ -32,6 +32,11 @@ def sampling_to_proto(sp: Any) -> pb.SamplingParams:
         stop_token_ids=[int(t) for t in sp.stop_token_ids],
         stop=list(sp.stop),
         logprobs=bool(sp.logprobs),
+        min_p=float(sp.min_p),
+        presence_penalty=float(sp.presence_penalty),
+        frequency_penalty=float(sp.frequency_penalty),
+        repetition_penalty=float(sp.repetition_penalty),
+        resumed_tokens=int(sp.resumed_tokens),
     )
     if sp.seed is not None:
         msg.seed = int(sp.seed)
@@ -52,6 +57,11 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         stop=tuple(msg.stop),
         logprobs=msg.logprobs,
+        min_p=msg.min_p,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        resumed_tokens=msg.resumed_tokens,
     )
     sp.validate()
     return sp
