@@ -204,6 +204,25 @@ def test_what_vllm_bench_serve_sends(
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 
 
+def test_what_guidellm_sends(workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any) -> None:
+    """GuideLLM asks for vLLM's continuous usage: every chunk carries the usage so far."""
+    token, eps = workers
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 6, "stop": None,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    with (
+        router(token, tokenizer, eps) as base,
+        httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r,
+    ):
+        assert r.status_code == 200, r.read()
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
+    chunks = [json.loads(ln[6:]) for ln in lines]
+    seen = [c["usage"]["completion_tokens"] for c in chunks]
+    assert seen == sorted(seen) and seen[-1] == 6 and seen[0] >= 1, seen
+    assert all(c["usage"]["prompt_tokens"] == chunks[0]["usage"]["prompt_tokens"] for c in chunks)
+    assert chunks[-1]["choices"] == []
+
+
 @pytest.mark.nixl
 @pytest.mark.skipif(NIXL_SKIP is not None, reason=NIXL_SKIP or "")
 def test_greedy_tokens_equal_transformers_over_nixl(

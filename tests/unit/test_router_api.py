@@ -97,16 +97,19 @@ def test_a_body_that_is_not_a_json_object_says_so(
 
 
 def test_the_sampling_options_load_generators_send_are_accepted(client: TestClient) -> None:
-    """What vLLM's and SGLang's serving benchmarks put in every request: valid, so it
-    waits for a worker (none answers here) rather than failing validation."""
+    """What vLLM's and SGLang's serving benchmarks and GuideLLM put in every request:
+    valid, so it waits for a worker (none answers here) rather than failing validation."""
     vllm_bench = {"model": "tiny", "prompt": "hi", "repetition_penalty": 1.0, "max_tokens": 4,
                   "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
                   "ignore_eos": True}  # fmt: skip
     sglang_bench = {"model": "tiny", "prompt": "hi", "temperature": 0.0, "best_of": 1,
                     "max_tokens": 4, "stream": True, "ignore_eos": True}  # fmt: skip
+    usage_always = {"include_usage": True, "continuous_usage_stats": True}
+    guidellm = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "stop": None,
+                "ignore_eos": True, "stream": True, "stream_options": usage_always}  # fmt: skip
     tuned = {"prompt": "hi", "presence_penalty": 0.5, "frequency_penalty": 0.3, "min_p": 0.05,
              "repetition_penalty": 1.1, "stop_token_ids": [2], "top_k": 20}  # fmt: skip
-    for body in (vllm_bench, sglang_bench, tuned):
+    for body in (vllm_bench, sglang_bench, guidellm, tuned):
         r = client.post("/v1/completions", json=body)
         assert r.status_code != 400, r.text
         assert r.status_code in (429, 503), r.text

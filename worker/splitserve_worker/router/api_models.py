@@ -18,6 +18,8 @@ MAX_SEED = 2**63 - 1
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: every chunk carries the usage so far."""
 
 
 class _Sampling(BaseModel):
@@ -74,6 +76,12 @@ class _Sampling(BaseModel):
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk: vLLM's ``continuous_usage_stats``, with ``include_usage``."""
+        return self.include_usage() and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(min_length=1)]

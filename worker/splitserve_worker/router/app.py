@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import secrets
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -30,34 +28,12 @@ from splitserve_worker.router import errors
 from splitserve_worker.router.api_models import ChatCompletionRequest, CompletionRequest
 from splitserve_worker.router.dispatch import GenRequest, RequestFailed, TokenEvent
 from splitserve_worker.router.errors import APIError
-from splitserve_worker.router.queues import Admission, Saturated
+from splitserve_worker.router.queues import Saturated
+from splitserve_worker.router.responses import Job, choice, chunk, envelope, sse, usage
 from splitserve_worker.router.scoring import DECODE_ROLES
 from splitserve_worker.router.service import RouterService
 from splitserve_worker.router.text import Detokenizer
 from splitserve_worker.router.worker_client import Sampling
-
-
-@dataclass
-class Job:
-    """One request in flight: what it asked and what it has produced so far."""
-
-    id: str
-    kind: str  # "text_completion" | "chat.completion"
-    model: str
-    prompt: tuple[int, ...]
-    sampling: Sampling
-    detok: Detokenizer
-    want_logprobs: bool
-    return_token_ids: bool
-    stream: bool
-    arrived: float = field(default_factory=time.monotonic)
-    created: int = field(default_factory=lambda: int(time.time()))
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    first_at: float | None = None
-    finish_reason: str | None = None
-    admission: Admission | None = None
-    """A decode slot taken before a stream's 200 was sent."""
 
 
 def _auth(service: RouterService) -> Callable[[Request], Awaitable[None]]:
@@ -170,6 +146,8 @@ def create_app(service: RouterService) -> FastAPI:
             want_logprobs=want_lp,
             return_token_ids=body.return_token_ids,
             stream=body.stream,
+            include_usage=body.include_usage(),
+            continuous_usage=body.continuous_usage(),
         )
 
     async def events(job: Job) -> AsyncGenerator[tuple[str, TokenEvent], None]:
@@ -214,55 +192,6 @@ def create_app(service: RouterService) -> FastAPI:
             await gen.aclose()
             outcomes.labels(outcome=outcome).inc()
 
-    def usage(job: Job) -> dict[str, int]:
-        return {
-            "prompt_tokens": len(job.prompt),
-            "completion_tokens": len(job.tokens),
-            "total_tokens": len(job.prompt) + len(job.tokens),
-        }
-
-    def logprobs_of(job: Job, ids: list[int], lps: list[float]) -> Any:
-        if not job.want_logprobs:
-            return None
-        toks = [service.tokenizer.decode([t]) for t in ids]
-        if job.kind == "chat.completion":
-            return {
-                "content": [
-                    {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-                    for s, lp in zip(toks, lps, strict=False)
-                ]
-            }
-        return {
-            "tokens": toks,
-            "token_logprobs": list(lps),
-            "top_logprobs": None,
-            "text_offset": [],
-        }
-
-    def choice(job: Job, text: str, ids: list[int], lps: list[float], final: bool) -> Any:
-        c: dict[str, Any] = {"index": 0}
-        if job.kind == "chat.completion" and job.stream:
-            c["delta"] = {"content": text} if text else {}
-        elif job.kind == "chat.completion":
-            c["message"] = {"role": "assistant", "content": text}
-        else:
-            c["text"] = text
-        c["logprobs"] = logprobs_of(job, ids, lps)
-        c["finish_reason"] = job.finish_reason if final else None
-        if job.return_token_ids:
-            c["token_ids"] = ids
-        return c
-
-    def envelope(job: Job, choices: list[Any]) -> dict[str, Any]:
-        obj = job.kind + (".chunk" if job.kind == "chat.completion" and job.stream else "")
-        return {
-            "id": job.id,
-            "object": obj,
-            "created": job.created,
-            "model": job.model,
-            "choices": choices,
-        }
-
     def failure(e: Saturated | RequestFailed) -> APIError:
         if isinstance(e, Saturated):
             return errors.from_saturated(e)
@@ -295,13 +224,10 @@ def create_app(service: RouterService) -> FastAPI:
         body["usage"] = usage(job)
         return body
 
-    def sse(obj: Any) -> bytes:
-        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
-
-    async def run_streaming(job: Job, include_usage: bool) -> AsyncIterator[bytes]:
+    async def run_streaming(job: Job) -> AsyncIterator[bytes]:
         try:
             if job.kind == "chat.completion":
-                first = envelope(job, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                first = chunk(job, [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}])  # fmt: skip
                 yield sse(first)
             async with contextlib.aclosing(events(job)) as evs:
@@ -310,8 +236,8 @@ def create_app(service: RouterService) -> FastAPI:
                     if not text and not final and not job.return_token_ids:
                         continue
                     ids, lps = list(ev.token_ids), list(ev.logprobs)
-                    yield sse(envelope(job, [choice(job, text, ids, lps, final)]))
-            if include_usage:
+                    yield sse(chunk(job, [choice(job, text, ids, lps, final)]))
+            if job.include_usage:
                 body = envelope(job, [])
                 body["usage"] = usage(job)
                 yield sse(body)
@@ -330,7 +256,7 @@ def create_app(service: RouterService) -> FastAPI:
             except Saturated as e:
                 raise failure(e) from None
             return StreamingResponse(
-                run_streaming(job, body.include_usage()),
+                run_streaming(job),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 # frees the slot if the stream never started (client gone before it)

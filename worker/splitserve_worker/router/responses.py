@@ -1,0 +1,108 @@
+"""The OpenAI response bodies of one request: choices, envelopes, usage and SSE lines.
+
+Pure functions of a :class:`Job` (what the request asked and has produced so far); the
+HTTP layer in :mod:`.app` decides when to send which.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from splitserve_worker.router.queues import Admission
+from splitserve_worker.router.text import Detokenizer
+from splitserve_worker.router.worker_client import Sampling
+
+
+@dataclass
+class Job:
+    """One request in flight: what it asked and what it has produced so far."""
+
+    id: str
+    kind: str  # "text_completion" | "chat.completion"
+    model: str
+    prompt: tuple[int, ...]
+    sampling: Sampling
+    detok: Detokenizer
+    want_logprobs: bool
+    return_token_ids: bool
+    stream: bool
+    include_usage: bool = False
+    """Streaming: a last chunk, with no choice, carries the usage."""
+    continuous_usage: bool = False
+    """Streaming: every chunk carries the usage so far (vLLM's ``continuous_usage_stats``)."""
+    arrived: float = field(default_factory=time.monotonic)
+    created: int = field(default_factory=lambda: int(time.time()))
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    first_at: float | None = None
+    finish_reason: str | None = None
+    admission: Admission | None = None
+    """A decode slot taken before a stream's 200 was sent."""
+
+
+def usage(job: Job) -> dict[str, int]:
+    return {
+        "prompt_tokens": len(job.prompt),
+        "completion_tokens": len(job.tokens),
+        "total_tokens": len(job.prompt) + len(job.tokens),
+    }
+
+
+def logprobs_of(job: Job, ids: list[int], lps: list[float]) -> Any:
+    if not job.want_logprobs:
+        return None
+    toks = [job.detok.tokenizer.decode([t]) for t in ids]
+    if job.kind == "chat.completion":
+        return {
+            "content": [
+                {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
+                for s, lp in zip(toks, lps, strict=False)
+            ]
+        }
+    return {
+        "tokens": toks,
+        "token_logprobs": list(lps),
+        "top_logprobs": None,
+        "text_offset": [],
+    }
+
+
+def choice(job: Job, text: str, ids: list[int], lps: list[float], final: bool) -> Any:
+    c: dict[str, Any] = {"index": 0}
+    if job.kind == "chat.completion" and job.stream:
+        c["delta"] = {"content": text} if text else {}
+    elif job.kind == "chat.completion":
+        c["message"] = {"role": "assistant", "content": text}
+    else:
+        c["text"] = text
+    c["logprobs"] = logprobs_of(job, ids, lps)
+    c["finish_reason"] = job.finish_reason if final else None
+    if job.return_token_ids:
+        c["token_ids"] = ids
+    return c
+
+
+def envelope(job: Job, choices: list[Any]) -> dict[str, Any]:
+    obj = job.kind + (".chunk" if job.kind == "chat.completion" and job.stream else "")
+    return {
+        "id": job.id,
+        "object": obj,
+        "created": job.created,
+        "model": job.model,
+        "choices": choices,
+    }
+
+
+def chunk(job: Job, choices: list[Any]) -> dict[str, Any]:
+    """One streamed chunk: the envelope, with the usage so far when asked for."""
+    body = envelope(job, choices)
+    if job.continuous_usage:
+        body["usage"] = usage(job)
+    return body
+
+
+def sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
