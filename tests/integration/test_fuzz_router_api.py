@@ -216,7 +216,7 @@ def test_known_edge_requests_are_refused_with_a_reason(base_url: str) -> None:
         {"prompt": [300]},  # past the vocabulary
         {"prompt": "x", "max_tokens": 10**6},  # past max_model_len
         {"prompt": [5] * 300},  # prompt longer than max_model_len
-        {"prompt": "x", "n": 2},
+        {"prompt": "x", "n": 17},  # more choices than a request may ask for
         {"prompt": "x", "echo": True},
         {"prompt": "x", "temperature": -1},
         {"prompt": "x", "model": "other"},

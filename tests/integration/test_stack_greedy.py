@@ -204,6 +204,58 @@ def test_what_vllm_bench_serve_sends(
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 
 
+def _choices(base: str, body: dict[str, Any]) -> tuple[dict[int, list[int]], dict[str, Any]]:
+    """Token ids of each choice, and the usage, of a completion, streamed or not."""
+    if not body.get("stream"):
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        got = {c["index"]: c["token_ids"] for c in r.json()["choices"]}
+        return got, r.json()["usage"]
+    body = {**body, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    streamed: dict[int, list[int]] = {}
+    for c in chunks[:-1]:
+        assert "error" not in c, c
+        (ch,) = c["choices"]
+        streamed.setdefault(ch["index"], []).extend(ch["token_ids"])
+    assert chunks[-1]["choices"] == []
+    return streamed, chunks[-1]["usage"]
+
+
+def test_n_choices_each_run_as_a_request_of_their_own(
+    workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any, reference: Any
+) -> None:
+    token, eps = workers
+    prompt = PROMPTS[1]
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    with router(token, tokenizer, eps) as base:
+        # greedy: every choice is the greedy answer
+        for stream in (False, True):
+            got, use = _choices(base, {**body, "n": 2, "temperature": 0, "stream": stream})
+            assert got == {0: reference[1], 1: reference[1]}
+            assert use["completion_tokens"] == 2 * MAX_TOKENS
+            assert use["prompt_tokens"] == len(prompt)
+        # seeded sampling: the choices differ from each other, and repeat exactly
+        seeded = {**body, "n": 3, "temperature": 1.0, "seed": 7}
+        plain, _ = _choices(base, {**seeded, "stream": False})
+        streamed, use = _choices(base, {**seeded, "stream": True})
+        chat = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 3,
+                "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+        r = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=120)
+        chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+    assert sorted(plain) == [0, 1, 2] and plain == streamed
+    assert len({tuple(t) for t in plain.values()}) == 3, plain
+    assert all(len(t) == MAX_TOKENS for t in plain.values())
+    assert use["completion_tokens"] == 3 * MAX_TOKENS
+    # chat: the first chunk gives each choice its role; each choice finishes once
+    assert [c["delta"]["role"] for c in chunks[0]["choices"]] == ["assistant", "assistant"]
+    finished = [ch["index"] for c in chunks[1:] for ch in c["choices"] if ch["finish_reason"]]
+    assert sorted(finished) == [0, 1]
+
+
 def test_what_guidellm_sends(workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any) -> None:
     """GuideLLM asks for vLLM's continuous usage: every chunk carries the usage so far."""
     token, eps = workers

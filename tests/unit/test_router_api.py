@@ -50,7 +50,7 @@ def error_of(r: Any, status: int) -> dict[str, Any]:
     ("body", "param", "words"),
     [
         ({"model": "tiny"}, "prompt", "Field required"),
-        ({"prompt": "hi", "n": 2}, None, "n must be 1"),
+        ({"prompt": "hi", "n": 17}, "n", "less than or equal to 16"),
         ({"prompt": "hi", "temperature": 5}, "temperature", "less than or equal to 2"),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
         ({"prompt": "hi", "bogus": 1}, "bogus", "Extra inputs are not permitted"),

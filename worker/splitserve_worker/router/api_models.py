@@ -1,8 +1,8 @@
 """OpenAI-compatible request models (pydantic), with the checks the engine relies on.
 
 Unknown fields are refused with a message naming them, so a typo never goes
-unnoticed. Sampling options the engine does not implement (logit bias, n > 1,
-best_of) are accepted only at their neutral value.
+unnoticed. Sampling options the engine does not implement (logit bias, best_of)
+are accepted only at their neutral value.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
+MAX_CHOICES = 16
+"""Most choices (``n``) per request: each is a request of its own on the workers."""
 
 
 class StreamOptions(BaseModel):
@@ -34,7 +36,7 @@ class _Sampling(BaseModel):
     top_k: int = Field(default=0, ge=-1, le=1_000_000)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=128)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -63,8 +65,6 @@ class _Sampling(BaseModel):
 
     @model_validator(mode="after")
     def _neutral(self) -> _Sampling:
-        if self.n != 1:
-            raise ValueError("n must be 1: this server returns one choice per request")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self

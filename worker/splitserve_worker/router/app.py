@@ -29,7 +29,16 @@ from splitserve_worker.router.api_models import ChatCompletionRequest, Completio
 from splitserve_worker.router.dispatch import GenRequest, RequestFailed, TokenEvent
 from splitserve_worker.router.errors import APIError
 from splitserve_worker.router.queues import Saturated
-from splitserve_worker.router.responses import Job, choice, chunk, envelope, sse, usage
+from splitserve_worker.router.responses import (
+    Job,
+    choice,
+    choices_of,
+    chunk,
+    envelope,
+    role_choice,
+    sse,
+    usage,
+)
 from splitserve_worker.router.scoring import DECODE_ROLES
 from splitserve_worker.router.service import RouterService
 from splitserve_worker.router.text import Detokenizer
@@ -154,9 +163,8 @@ def create_app(service: RouterService) -> FastAPI:
         """(text delta, event) pairs; records metrics; always ends the worker side."""
         prompt_tokens.inc(len(job.prompt))
         outcome = "cancelled"
-        gen = service.dispatcher.generate(
-            GenRequest(job.id, job.prompt, job.sampling), job.admission
-        )
+        rid = job.id if job.index == 0 else f"{job.id}-{job.index}"
+        gen = service.dispatcher.generate(GenRequest(rid, job.prompt, job.sampling), job.admission)
         try:
             async for ev in gen:
                 now = time.monotonic()
@@ -197,15 +205,15 @@ def create_app(service: RouterService) -> FastAPI:
             return errors.from_saturated(e)
         return APIError(e.status, e.message, code="worker_error" if e.status >= 500 else None)
 
-    async def run_to_end(request: Request, job: Job) -> dict[str, Any] | None:
+    async def run_to_end(request: Request, jobs: list[Job]) -> dict[str, Any] | None:
         """The whole answer, or None when the client went away first (the request is ended)."""
 
-        async def collect() -> None:
+        async def collect(job: Job) -> None:
             async with contextlib.aclosing(events(job)) as evs:
                 async for _ in evs:
                     pass
 
-        task = asyncio.create_task(collect())
+        task = asyncio.ensure_future(asyncio.gather(*(collect(j) for j in jobs)))
         try:
             while not task.done():
                 done, _ = await asyncio.wait({task}, timeout=0.25)
@@ -220,26 +228,55 @@ def create_app(service: RouterService) -> FastAPI:
         finally:
             if not task.done():
                 task.cancel()
-        body = envelope(job, [choice(job, job.detok.text, job.tokens, job.logprobs, True)])
-        body["usage"] = usage(job)
+        choices = [choice(j, j.detok.text, j.tokens, j.logprobs, True) for j in jobs]
+        body = envelope(jobs[0], choices)
+        body["usage"] = usage(jobs)
         return body
 
-    async def run_streaming(job: Job) -> AsyncIterator[bytes]:
-        try:
-            if job.kind == "chat.completion":
-                first = chunk(job, [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}])  # fmt: skip
-                yield sse(first)
-            async with contextlib.aclosing(events(job)) as evs:
+    async def merged(jobs: list[Job]) -> AsyncGenerator[tuple[Job, str, TokenEvent], None]:
+        """The events of every choice as they come; ends when all have (or one fails)."""
+        if len(jobs) == 1:
+            async with contextlib.aclosing(events(jobs[0])) as evs:
                 async for text, ev in evs:
+                    yield jobs[0], text, ev
+            return
+        queue: asyncio.Queue[tuple[Job, str, TokenEvent] | BaseException | None] = asyncio.Queue()
+
+        async def pump(job: Job) -> None:
+            try:
+                async with contextlib.aclosing(events(job)) as evs:
+                    async for text, ev in evs:
+                        await queue.put((job, text, ev))
+                await queue.put(None)
+            except Exception as e:  # the stream reports it; the other choices stop
+                await queue.put(e)
+
+        tasks = [asyncio.create_task(pump(j)) for j in jobs]
+        try:
+            for _ in jobs:
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def run_streaming(jobs: list[Job]) -> AsyncIterator[bytes]:
+        try:
+            if jobs[0].kind == "chat.completion":
+                yield sse(chunk(jobs, [role_choice(j) for j in jobs]))
+            async with contextlib.aclosing(merged(jobs)) as evs:
+                async for job, text, ev in evs:
                     final = job.finish_reason is not None
                     if not text and not final and not job.return_token_ids:
                         continue
                     ids, lps = list(ev.token_ids), list(ev.logprobs)
-                    yield sse(chunk(job, [choice(job, text, ids, lps, final)]))
-            if job.include_usage:
-                body = envelope(job, [])
-                body["usage"] = usage(job)
+                    yield sse(chunk(jobs, [choice(job, text, ids, lps, final)]))
+            if jobs[0].include_usage:
+                body = envelope(jobs[0], [])
+                body["usage"] = usage(jobs)
                 yield sse(body)
         except (Saturated, RequestFailed) as e:
             yield sse(failure(e).body())
@@ -248,24 +285,33 @@ def create_app(service: RouterService) -> FastAPI:
     async def respond(
         request: Request, job: Job, body: CompletionRequest | ChatCompletionRequest
     ) -> Response:
+        jobs = choices_of(job, body.n)
         if body.stream:
-            # admission first (a decode slot, held for the stream), so a full queue answers
-            # 429 and a queue timeout 503 as HTTP statuses, never as an error inside a 200
+            # admission first (a decode slot per choice, held for the stream), so a full
+            # queue answers 429 and a queue timeout 503 as HTTP statuses, never as an error
+            # inside a 200
             try:
-                job.admission = await service.dispatcher.decode_stage.admit()
+                for j in jobs:
+                    j.admission = await service.dispatcher.decode_stage.admit()
             except Saturated as e:
+                release_all(jobs)
                 raise failure(e) from None
             return StreamingResponse(
-                run_streaming(job),
+                run_streaming(jobs),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                # frees the slot if the stream never started (client gone before it)
-                background=BackgroundTask(job.admission.release),
+                # frees the slots if the stream never started (client gone before it)
+                background=BackgroundTask(release_all, jobs),
             )
-        answer = await run_to_end(request, job)
+        answer = await run_to_end(request, jobs)
         if answer is None:
             return Response(status_code=499)  # client closed the request; nobody reads this
         return JSONResponse(answer)
+
+    def release_all(jobs: list[Job]) -> None:
+        for j in jobs:
+            if j.admission is not None:
+                j.admission.release()
 
     # ---- routes ----
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from splitserve_worker.router.api_models import MAX_SEED
 from splitserve_worker.router.queues import Admission
 from splitserve_worker.router.text import Detokenizer
 from splitserve_worker.router.worker_client import Sampling
@@ -29,6 +31,8 @@ class Job:
     want_logprobs: bool
     return_token_ids: bool
     stream: bool
+    index: int = 0
+    """Which choice of the request this is (``n`` > 1 runs one job per choice)."""
     include_usage: bool = False
     """Streaming: a last chunk, with no choice, carries the usage."""
     continuous_usage: bool = False
@@ -43,11 +47,30 @@ class Job:
     """A decode slot taken before a stream's 200 was sent."""
 
 
-def usage(job: Job) -> dict[str, int]:
+def choices_of(job: Job, n: int) -> list[Job]:
+    """``job`` as ``n`` choices; seeded sampling gets seed, seed + 1, ... so they differ."""
+    seed = job.sampling.seed
+
+    def sampling(i: int) -> Sampling:
+        if seed is None:
+            return job.sampling
+        return replace(job.sampling, seed=(seed + i) % (MAX_SEED + 1))
+
+    def fresh(i: int) -> Job:
+        detok = Detokenizer(job.detok.tokenizer, job.detok.stop)
+        return replace(job, index=i, sampling=sampling(i), detok=detok, tokens=[], logprobs=[])
+
+    return [job] + [fresh(i) for i in range(1, n)]
+
+
+def usage(jobs: Sequence[Job]) -> dict[str, int]:
+    """Of a request's choices together: the prompt once, every choice's tokens."""
+    prompt = len(jobs[0].prompt)
+    completion = sum(len(j.tokens) for j in jobs)
     return {
-        "prompt_tokens": len(job.prompt),
-        "completion_tokens": len(job.tokens),
-        "total_tokens": len(job.prompt) + len(job.tokens),
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
 
 
@@ -71,7 +94,7 @@ def logprobs_of(job: Job, ids: list[int], lps: list[float]) -> Any:
 
 
 def choice(job: Job, text: str, ids: list[int], lps: list[float], final: bool) -> Any:
-    c: dict[str, Any] = {"index": 0}
+    c: dict[str, Any] = {"index": job.index}
     if job.kind == "chat.completion" and job.stream:
         c["delta"] = {"content": text} if text else {}
     elif job.kind == "chat.completion":
@@ -96,12 +119,19 @@ def envelope(job: Job, choices: list[Any]) -> dict[str, Any]:
     }
 
 
-def chunk(job: Job, choices: list[Any]) -> dict[str, Any]:
-    """One streamed chunk: the envelope, with the usage so far when asked for."""
-    body = envelope(job, choices)
-    if job.continuous_usage:
-        body["usage"] = usage(job)
+def chunk(jobs: Sequence[Job], choices: list[Any]) -> dict[str, Any]:
+    """One streamed chunk of the request run as ``jobs``: the envelope, with the usage so
+    far when asked for."""
+    body = envelope(jobs[0], choices)
+    if jobs[0].continuous_usage:
+        body["usage"] = usage(jobs)
     return body
+
+
+def role_choice(job: Job) -> dict[str, Any]:
+    """The chat stream's first choice of ``job``: the role, no content yet."""
+    return {"index": job.index, "delta": {"role": "assistant", "content": ""},
+            "logprobs": None, "finish_reason": None}  # fmt: skip
 
 
 def sse(obj: Any) -> bytes:
