@@ -238,9 +238,11 @@ def test_client_disconnect_frees_kv_on_every_worker(stack_factory: Any, tokenize
                         seen += len(json.loads(line[6:])["choices"][0].get("token_ids", []))
                     if seen >= 3:
                         break  # leaving the block closes the connection mid-stream
-            # non-streaming: the client gives up (timeout) while the request runs
-            with pytest.raises(httpx.ReadTimeout):
-                httpx.post(f"{base}/v1/completions", json={**body, "stream": False}, timeout=1.0)
+            # non-streaming, one choice or two: the client gives up while they run
+            for n in (1, 2):
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(f"{base}/v1/completions", json={**body, "stream": False, "n": n},
+                               timeout=1.0)  # fmt: skip
         deadline = time.monotonic() + 20
         now = st.free_blocks(st.endpoints)
         while now != before and time.monotonic() < deadline:

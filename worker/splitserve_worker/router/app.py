@@ -213,21 +213,24 @@ def create_app(service: RouterService) -> FastAPI:
                 async for _ in evs:
                     pass
 
-        task = asyncio.ensure_future(asyncio.gather(*(collect(j) for j in jobs)))
+        tasks = [asyncio.create_task(collect(j)) for j in jobs]
         try:
-            while not task.done():
-                done, _ = await asyncio.wait({task}, timeout=0.25)
-                if not done and await request.is_disconnected():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+            pending: set[asyncio.Task[None]] = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(
+                    pending, timeout=0.25, return_when=asyncio.FIRST_EXCEPTION
+                )
+                for t in done:
+                    t.result()  # a choice that failed fails the request
+                if pending and not done and await request.is_disconnected():
                     return None
-            await task
         except (Saturated, RequestFailed) as e:
             raise failure(e) from None
         finally:
-            if not task.done():
-                task.cancel()
+            # whatever ended the wait (a failure, the client leaving), no choice runs on
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         choices = [choice(j, j.detok.text, j.tokens, j.logprobs, True) for j in jobs]
         body = envelope(jobs[0], choices)
         body["usage"] = usage(jobs)
