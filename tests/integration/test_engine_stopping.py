@@ -103,9 +103,10 @@ def test_stop_strings(engine: Engine, tiny: LoadedModel) -> None:
 
 
 def test_logprobs_match_transformers(engine: Engine, tiny: LoadedModel) -> None:
-    sp = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=3)
     outs = _run(engine, {"a": (PROMPT, sp)})["a"]
     lps = [lp for o in outs for lp in o.new_logprobs]
+    tops = [top for o in outs for top in o.new_top_logprobs]
     ids = torch.tensor([PROMPT])
     with torch.inference_mode():
         ref = tiny.model.generate(
@@ -124,6 +125,12 @@ def test_logprobs_match_transformers(engine: Engine, tiny: LoadedModel) -> None:
         for lg, t in zip(ref.logits, toks, strict=True)
     ]
     assert lps == pytest.approx(want, abs=1e-4)
+    # the three most likely tokens at each position, best first: the greedy one leads
+    assert len(tops) == len(toks)
+    for top, lg, t, lp in zip(tops, ref.logits, toks, lps, strict=True):
+        values, ids = torch.topk(torch.log_softmax(lg[0].float(), -1), 3)
+        assert [i for i, _ in top] == ids.tolist() and top[0] == (t, pytest.approx(lp))
+        assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)
 
 
 def test_seeded_sampling_is_batch_invariant(tiny: LoadedModel) -> None:

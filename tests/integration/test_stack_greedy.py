@@ -182,6 +182,66 @@ def test_repetition_penalty_tokens_equal_transformers(
             assert complete(base, prompt, stream=True, repetition_penalty=PENALTY) == want
 
 
+def test_top_logprobs_are_the_same_disaggregated_and_colocated(
+    workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any
+) -> None:
+    """The first token's alternatives come from the prefill worker (through Commit), the
+    rest from the decode worker: the answer equals one worker's."""
+    token, eps = workers
+    by_role = {e.role: e for e in eps}
+    chat = {"messages": [{"role": "user", "content": "name a colour"}], "max_tokens": 5,
+            "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 3}  # fmt: skip
+    text = {"prompt": "one two three", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "logprobs": 2}  # fmt: skip
+    answers: list[Any] = []
+    for stack, how in (([by_role[Role.PREFILL], by_role[Role.DECODE]], "remote"),
+                       ([by_role[Role.BOTH]], "local")):  # fmt: skip
+        with router(token, tokenizer, stack, disaggregation=ALWAYS_REMOTE) as base:
+            for path, body in (("chat/completions", chat), ("completions", text)):
+                for stream in (False, True):
+                    r = httpx.post(f"{base}/v1/{path}", json={**body, "stream": stream},
+                                   timeout=120)  # fmt: skip
+                    assert r.status_code == 200, r.text
+                    answers.append(r.text if stream else r.json()["choices"][0]["logprobs"])
+            assert decisions(base) == {how: 4}
+    disagg, coloc = answers[:4], answers[4:]
+    chat_lp, text_lp = disagg[0], disagg[2]
+    # the same tokens and alternatives; logprobs agree to float noise (a prefix-cache hit
+    # computes the prompt in other chunks)
+    assert same(chat_lp, coloc[0]) and same(text_lp, coloc[2])
+    for entry in chat_lp["content"]:
+        top = entry["top_logprobs"]
+        assert len(top) == 3 and top[0]["token"] == entry["token"]
+        assert top[0]["logprob"] == pytest.approx(entry["logprob"], abs=1e-5)
+        assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+    assert len(text_lp["top_logprobs"]) == 4
+    for tok, alts in zip(text_lp["tokens"], text_lp["top_logprobs"], strict=True):
+        assert 1 <= len(alts) <= 2 and tok in alts
+
+    def streamed(raw: str, chat: bool) -> list[Any]:
+        chunks = [json.loads(ln[6:]) for ln in raw.splitlines() if ln.startswith("data: {")]
+        lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+        if chat:
+            return [e for lp in lps for e in lp["content"]]
+        return [a for lp in lps for a in lp["top_logprobs"]]
+
+    assert same(streamed(disagg[1], True), chat_lp["content"])
+    assert same(streamed(coloc[1], True), chat_lp["content"])
+    assert same(streamed(disagg[3], False), text_lp["top_logprobs"])
+    assert same(streamed(coloc[3], False), text_lp["top_logprobs"])
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal, floats to within 1e-4."""
+    if isinstance(a, float) or isinstance(b, float):
+        return bool(a == pytest.approx(b, abs=1e-4))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
 def test_what_vllm_bench_serve_sends(
     workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any
 ) -> None:

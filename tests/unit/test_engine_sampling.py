@@ -32,6 +32,7 @@ pytestmark = pytest.mark.unit
         (SamplingParams(repetition_penalty=0), "repetition_penalty"),
         (SamplingParams(repetition_penalty=math.inf), "repetition_penalty"),
         (SamplingParams(resumed_tokens=-1), "resumed_tokens"),
+        (SamplingParams(top_logprobs=21), "top_logprobs"),
     ],
 )
 def test_bad_parameters_name_the_field(params: SamplingParams, message: str) -> None:

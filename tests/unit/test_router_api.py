@@ -51,6 +51,7 @@ def error_of(r: Any, status: int) -> dict[str, Any]:
     [
         ({"model": "tiny"}, "prompt", "Field required"),
         ({"prompt": "hi", "n": 17}, "n", "less than or equal to 16"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs", "less than or equal to 20"),
         ({"prompt": "hi", "temperature": 5}, "temperature", "less than or equal to 2"),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
         ({"prompt": "hi", "bogus": 1}, "bogus", "Extra inputs are not permitted"),
@@ -153,8 +154,11 @@ def test_bad_chat_requests(client: TestClient) -> None:
     assert error_of(client.post("/v1/chat/completions", json=bad_role), 400)["param"].startswith(
         "messages.0.role"
     )
-    lp = {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}
+    lp = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}
     assert error_of(client.post("/v1/chat/completions", json=lp), 400)["param"] == "top_logprobs"
+    no_lp = {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}
+    err = error_of(client.post("/v1/chat/completions", json=no_lp), 400)
+    assert "top_logprobs needs logprobs: true" in err["message"]
 
 
 def test_unknown_route_and_method(client: TestClient) -> None:

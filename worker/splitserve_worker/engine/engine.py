@@ -20,7 +20,13 @@ from splitserve_worker.engine.metrics import EngineMetrics
 from splitserve_worker.engine.model_runner import Chunk, ModelRunner, model_shape
 from splitserve_worker.engine.prefix_cache import KVCacheEvent, block_hashes
 from splitserve_worker.engine.reservations import Reservations
-from splitserve_worker.engine.sampling import SampleRow, SamplingParams, sample
+from splitserve_worker.engine.sampling import (
+    SampleRow,
+    SamplingParams,
+    TopLogprobs,
+    sample,
+    top_logprobs,
+)
 from splitserve_worker.engine.scheduler import Scheduler, StepPlan, blocks_for
 from splitserve_worker.engine.sequence import (
     FinishReason,
@@ -231,12 +237,15 @@ class Engine:
             for q in sampling_seqs
         ]
         tokens, logprobs = sample(logits, rows)
+        tops = top_logprobs(logits, rows)
         outputs = []
-        for seq, tok, lp in zip(sampling_seqs, tokens, logprobs, strict=True):
-            outputs.append(self._append(seq, tok, lp))
+        for seq, tok, lp, top in zip(sampling_seqs, tokens, logprobs, tops, strict=True):
+            outputs.append(self._append(seq, tok, lp, top))
         return outputs
 
-    def _append(self, seq: Sequence, token: int, logprob: float | None) -> RequestOutput:
+    def _append(
+        self, seq: Sequence, token: int, logprob: float | None, top: TopLogprobs
+    ) -> RequestOutput:
         seq.tokens.append(token)
         if self.metrics is not None:
             self.metrics.decoded(1)
@@ -245,8 +254,11 @@ class Engine:
             out = self._finish(seq, reason, stop_reason=stop_reason, emit=False)
             out.new_token_ids = [token]
             out.new_logprobs = [logprob]
-            return out
-        return self._output(seq, [token], [logprob], finished=False)
+        else:
+            out = self._output(seq, [token], [logprob], finished=False)
+        if seq.params.top_logprobs:
+            out.new_top_logprobs = [top]
+        return out
 
     def _output(
         self,

@@ -11,7 +11,7 @@ import torch
 
 from splitserve_worker.engine.errors import NoCapacity
 from splitserve_worker.engine.model_runner import Chunk
-from splitserve_worker.engine.sampling import SampleRow, SamplingParams, sample
+from splitserve_worker.engine.sampling import SampleRow, SamplingParams, sample, top_logprobs
 from splitserve_worker.engine.scheduler import blocks_for
 from splitserve_worker.engine.sequence import PrefillResult, SeqStatus, Sequence
 
@@ -67,11 +67,12 @@ def prefill_export(
             )
         ]
         tokens, logprobs = sample(logits, rows)
+        tops = top_logprobs(logits, rows)
     finally:
         engine.scheduler.free_blocks_of(seq)
         seq.status = SeqStatus.FINISHED
         engine._update_gauges()
-    return PrefillResult(tokens[0], logprobs[0], seq.num_cached_tokens, len(prompt))
+    return PrefillResult(tokens[0], logprobs[0], seq.num_cached_tokens, len(prompt), tops[0])
 
 
 def export_forward(engine: Engine, seq: Sequence, on_layer: LayerCallback) -> torch.Tensor:

@@ -15,6 +15,11 @@ import torch
 
 from splitserve_worker.engine.errors import RequestError
 
+MAX_TOP_LOGPROBS = 20
+
+TopLogprobs = list[tuple[int, float]]
+"""The most likely tokens at one position, with their log-probabilities, best first."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -40,6 +45,8 @@ class SamplingParams:
     """Strings that end the request once they appear in the generated text."""
     logprobs: bool = False
     """Return the log-probability of each chosen token."""
+    top_logprobs: int = 0
+    """Also return this many of the most likely tokens at each position (with logprobs)."""
     min_p: float = 0.0
     """Drop tokens less likely than this fraction of the most likely one; 0 keeps all."""
     presence_penalty: float = 0.0
@@ -85,6 +92,10 @@ class SamplingParams:
             raise RequestError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must not be empty")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
         if not 0.0 <= self.min_p <= 1.0:
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -156,6 +167,18 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[list[int], 
         for j, i in enumerate(lp_idx):
             logprobs[i] = float(lp[j, tokens[i]])
     return tokens, logprobs
+
+
+def top_logprobs(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[TopLogprobs]:
+    """Per row of ``logits`` ``[B, V]``: its ``top_logprobs`` most likely tokens under the
+    model's own distribution, best first (empty where none were asked for)."""
+    out: list[TopLogprobs] = [[] for _ in rows]
+    for i, r in enumerate(rows):
+        k = min(r.params.top_logprobs, logits.shape[1])
+        if k > 0:
+            values, ids = torch.topk(torch.log_softmax(logits[i].float(), dim=-1), k)
+            out[i] = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return out
 
 
 def apply_penalties(row: torch.Tensor, r: SampleRow) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve_worker.engine.prefix_cache import ROOT_HASH, block_hashes
-from splitserve_worker.engine.sampling import SamplingParams
+from splitserve_worker.engine.sampling import SamplingParams, TopLogprobs
 
 
 class SeqStatus(enum.Enum):
@@ -38,6 +38,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended the request, if any."""
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    """One list per new token when the request asked for top logprobs, else empty."""
 
 
 @dataclass
@@ -48,6 +50,7 @@ class PrefillResult:
     first_logprob: float | None
     num_cached_tokens: int
     num_prompt_tokens: int
+    first_top_logprobs: TopLogprobs = field(default_factory=list)
 
 
 @dataclass

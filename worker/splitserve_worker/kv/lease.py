@@ -42,6 +42,7 @@ class Lease:
     bytes_received: int = 0
     first_token: int = -1
     first_logprob: float = 0.0
+    first_top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.layer_tokens:
@@ -141,11 +142,18 @@ class LeaseTable:
         with self._lock:
             lease.layer_tokens = [lease.num_tokens] * lease.num_layers
 
-    def commit(self, lease: Lease, first_token: int, first_logprob: float) -> None:
+    def commit(
+        self,
+        lease: Lease,
+        first_token: int,
+        first_logprob: float,
+        first_top_logprobs: list[tuple[int, float]] | None = None,
+    ) -> None:
         with self._lock:
             lease.state = State.COMMITTED
             lease.first_token = first_token
             lease.first_logprob = first_logprob
+            lease.first_top_logprobs = list(first_top_logprobs or ())
 
     def attach(self, lease: Lease) -> None:
         with self._lock:

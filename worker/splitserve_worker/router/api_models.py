@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per position a request may ask for (``logprobs`` / ``top_logprobs``)."""
 MAX_CHOICES = 16
 """Most choices (``n``) per request: each is a request of its own on the workers."""
 
@@ -89,7 +91,8 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(min_
 
 class CompletionRequest(_Sampling):
     prompt: str | TokenIds | list[str] | list[TokenIds]
-    logprobs: int | None = Field(default=None, ge=0, le=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    """The chosen token's logprob and this many of the most likely ones at each position."""
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1, le=1)
     suffix: str | None = None
@@ -111,6 +114,10 @@ class CompletionRequest(_Sampling):
                 raise ValueError("prompt must not be empty")
             return v[0]
         return v
+
+    def top_count(self) -> int:
+        """How many of the most likely tokens to return per position."""
+        return self.logprobs or 0
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
@@ -144,7 +151,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
     logit_bias: dict[str, float] | None = None
 
@@ -152,7 +159,13 @@ class ChatCompletionRequest(_Sampling):
     def _unsupported(self) -> ChatCompletionRequest:
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    def top_count(self) -> int:
+        """How many of the most likely tokens to return per position."""
+        return self.top_logprobs or 0
 
     def token_limit(self) -> int | None:
         return (

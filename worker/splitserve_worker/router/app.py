@@ -144,6 +144,7 @@ def create_app(service: RouterService) -> FastAPI:
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty,
+            top_logprobs=body.top_count(),
         )
         return Job(
             id=("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex,
@@ -175,6 +176,7 @@ def create_app(service: RouterService) -> FastAPI:
                 text = job.detok.add(ev.token_ids, final=final)
                 job.tokens.extend(ev.token_ids)
                 job.logprobs.extend(ev.logprobs)
+                job.top_logprobs.extend(ev.top_logprobs)
                 gen_tokens.inc(len(ev.token_ids))
                 if job.detok.stopped:
                     job.finish_reason = "stop"
@@ -231,7 +233,9 @@ def create_app(service: RouterService) -> FastAPI:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        choices = [choice(j, j.detok.text, j.tokens, j.logprobs, True) for j in jobs]
+        choices = [
+            choice(j, j.detok.text, j.tokens, j.logprobs, True, j.top_logprobs) for j in jobs
+        ]
         body = envelope(jobs[0], choices)
         body["usage"] = usage(jobs)
         return body
@@ -273,10 +277,13 @@ def create_app(service: RouterService) -> FastAPI:
             async with contextlib.aclosing(merged(jobs)) as evs:
                 async for job, text, ev in evs:
                     final = job.finish_reason is not None
-                    if not text and not final and not job.return_token_ids:
+                    # a token whose text is held back (half a character) is still sent
+                    # when its id or logprob was asked for
+                    if not (text or final or job.return_token_ids or job.want_logprobs):
                         continue
                     ids, lps = list(ev.token_ids), list(ev.logprobs)
-                    yield sse(chunk(jobs, [choice(job, text, ids, lps, final)]))
+                    tops = list(ev.top_logprobs)
+                    yield sse(chunk(jobs, [choice(job, text, ids, lps, final, tops)]))
             if jobs[0].include_usage:
                 body = envelope(jobs[0], [])
                 body["usage"] = usage(jobs)

@@ -72,6 +72,8 @@ class TokenEvent:
     logprobs: tuple[float, ...]
     finish_reason: str | None
     num_cached_tokens: int = 0
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    """Per token, when asked for: the most likely tokens there, with their logprobs."""
 
 
 class RequestFailed(Exception):
@@ -283,8 +285,10 @@ class Dispatcher:
                     raise AttemptFailed(d_name, "decode_lost", "aborted by the worker", lost=False)
                 if fr is not None:
                     finished = True
+                tops = tuple(tuple(zip(t.token_ids, t.logprobs, strict=True))
+                             for t in item.top_logprobs)  # fmt: skip
                 yield TokenEvent(
-                    tuple(item.token_ids), tuple(item.logprobs), fr, item.num_cached_tokens
+                    tuple(item.token_ids), tuple(item.logprobs), fr, item.num_cached_tokens, tops
                 )
                 if finished:
                     return

@@ -17,6 +17,9 @@ from splitserve_worker.router.queues import Admission
 from splitserve_worker.router.text import Detokenizer
 from splitserve_worker.router.worker_client import Sampling
 
+Top = Sequence[tuple[int, float]]
+"""The most likely tokens at one position, with their logprobs, best first."""
+
 
 @dataclass
 class Job:
@@ -41,6 +44,7 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[Top] = field(default_factory=list)
     first_at: float | None = None
     finish_reason: str | None = None
     admission: Admission | None = None
@@ -58,7 +62,8 @@ def choices_of(job: Job, n: int) -> list[Job]:
 
     def fresh(i: int) -> Job:
         detok = Detokenizer(job.detok.tokenizer, job.detok.stop)
-        return replace(job, index=i, sampling=sampling(i), detok=detok, tokens=[], logprobs=[])
+        return replace(job, index=i, sampling=sampling(i), detok=detok, tokens=[], logprobs=[],
+                       top_logprobs=[])  # fmt: skip
 
     return [job] + [fresh(i) for i in range(1, n)]
 
@@ -74,26 +79,40 @@ def usage(jobs: Sequence[Job]) -> dict[str, int]:
     }
 
 
-def logprobs_of(job: Job, ids: list[int], lps: list[float]) -> Any:
+def logprobs_of(job: Job, ids: list[int], lps: list[float], tops: Sequence[Top]) -> Any:
     if not job.want_logprobs:
         return None
-    toks = [job.detok.tokenizer.decode([t]) for t in ids]
+    decode = job.detok.tokenizer.decode
+    toks = [decode([t]) for t in ids]
+    # one entry per token: decoded alternatives where asked for, none otherwise
+    alts = [[(decode([t]), lp) for t, lp in top] for top in tops] or [[] for _ in ids]
     if job.kind == "chat.completion":
+
+        def entry(s: str, lp: float) -> dict[str, Any]:
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
         return {
             "content": [
-                {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-                for s, lp in zip(toks, lps, strict=False)
+                {**entry(s, lp), "top_logprobs": [entry(a, alp) for a, alp in alt]}
+                for s, lp, alt in zip(toks, lps, alts, strict=False)
             ]
         }
     return {
         "tokens": toks,
         "token_logprobs": list(lps),
-        "top_logprobs": None,
+        "top_logprobs": [dict(alt) for alt in alts] if tops else None,
         "text_offset": [],
     }
 
 
-def choice(job: Job, text: str, ids: list[int], lps: list[float], final: bool) -> Any:
+def choice(
+    job: Job,
+    text: str,
+    ids: list[int],
+    lps: list[float],
+    final: bool,
+    tops: Sequence[Top] = (),
+) -> Any:
     c: dict[str, Any] = {"index": job.index}
     if job.kind == "chat.completion" and job.stream:
         c["delta"] = {"content": text} if text else {}
@@ -101,7 +120,7 @@ def choice(job: Job, text: str, ids: list[int], lps: list[float], final: bool) -
         c["message"] = {"role": "assistant", "content": text}
     else:
         c["text"] = text
-    c["logprobs"] = logprobs_of(job, ids, lps)
+    c["logprobs"] = logprobs_of(job, ids, lps, tops)
     c["finish_reason"] = job.finish_reason if final else None
     if job.return_token_ids:
         c["token_ids"] = ids

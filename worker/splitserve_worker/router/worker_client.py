@@ -34,6 +34,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     resumed_tokens: int = 0
+    top_logprobs: int = 0
 
 
 class WorkerConn(Protocol):

@@ -6,6 +6,7 @@ sampling conversion without loading a model stack.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from splitserve.v1 import worker_pb2 as pb
@@ -37,6 +38,7 @@ def sampling_to_proto(sp: Any) -> pb.SamplingParams:
         frequency_penalty=float(sp.frequency_penalty),
         repetition_penalty=float(sp.repetition_penalty),
         resumed_tokens=int(sp.resumed_tokens),
+        top_logprobs=int(sp.top_logprobs),
     )
     if sp.seed is not None:
         msg.seed = int(sp.seed)
@@ -62,6 +64,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty or 1.0,
         resumed_tokens=msg.resumed_tokens,
+        top_logprobs=msg.top_logprobs,
     )
     sp.validate()
     return sp
@@ -106,11 +109,20 @@ def target_from_handle(h: pb.TransferHandle) -> TransferTarget:
     )
 
 
+def top_to_proto(top: Sequence[tuple[int, float]]) -> pb.TopLogprobs:
+    return pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+
+
+def top_from_proto(msg: pb.TopLogprobs) -> list[tuple[int, float]]:
+    return list(zip(msg.token_ids, msg.logprobs, strict=True))
+
+
 def chunk_from_output(out: RequestOutput) -> pb.TokenChunk:
     return pb.TokenChunk(
         request_id=out.request_id,
         token_ids=list(out.new_token_ids),
         logprobs=[float(x) if x is not None else 0.0 for x in out.new_logprobs],
+        top_logprobs=[top_to_proto(t) for t in out.new_top_logprobs],
         finish_reason=(out.finish_reason or "") if out.finished else "",
         error=out.error or "",
         num_prompt_tokens=out.num_prompt_tokens,

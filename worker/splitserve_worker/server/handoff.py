@@ -29,7 +29,7 @@ from splitserve_worker.kv.lease import Lease, LeaseError, LeaseTable, State
 from splitserve_worker.kv.transport import ReceiverBackend, TransferError
 from splitserve_worker.metrics import names
 from splitserve_worker.metrics.registry import Metrics
-from splitserve_worker.server.convert import compat_from_proto, compat_to_proto
+from splitserve_worker.server.convert import compat_from_proto, compat_to_proto, top_from_proto
 from splitserve_worker.server.errors import RpcFailure
 
 log = logging.getLogger(__name__)
@@ -235,7 +235,8 @@ class DecodeHandoff:
         first_logprob = req.first_token_logprob
         # gRPC counts its bytes as they arrive; the others once, at their first Commit
         counted = lease.backend == "grpc" or lease.state is not State.RESERVED
-        self.leases.commit(lease, req.first_token, first_logprob)
+        first_top = top_from_proto(req.first_top_logprobs)
+        self.leases.commit(lease, req.first_token, first_logprob, first_top)
         if not counted:
             self._bytes.labels(lease.backend, "received").inc(lease.bytes_received)
         lease.expires_at = max(lease.expires_at, time.monotonic() + self.lease_seconds)

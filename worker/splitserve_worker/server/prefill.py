@@ -30,7 +30,7 @@ from splitserve_worker.kv.transport import (
 )
 from splitserve_worker.metrics import names
 from splitserve_worker.metrics.registry import Metrics
-from splitserve_worker.server.convert import compat_from_proto, target_from_handle
+from splitserve_worker.server.convert import compat_from_proto, target_from_handle, top_to_proto
 from splitserve_worker.server.errors import RpcFailure
 from splitserve_worker.server.wire import CHANNEL_OPTIONS, auth_metadata
 
@@ -165,6 +165,7 @@ class PrefillRunner:
             first_token_logprob=result.first_logprob or 0.0,
             layers_sent=stats.layers_sent,
             layer_crc32=stats.layer_crc32,
+            first_top_logprobs=top_to_proto(result.first_top_logprobs),
         )
         try:
             await self._stub(handle.decode_address).Commit(

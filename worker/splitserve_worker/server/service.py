@@ -23,6 +23,7 @@ from splitserve_worker.server.convert import (
     chunk_from_output,
     compat_to_proto,
     sampling_from_proto,
+    top_to_proto,
 )
 from splitserve_worker.server.errors import RpcFailure
 from splitserve_worker.server.events import EventHub
@@ -163,6 +164,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 )
                 if sampling.logprobs:
                     first.logprobs.append(lease.first_logprob)
+                if sampling.top_logprobs:
+                    first.top_logprobs.append(top_to_proto(lease.first_top_logprobs))
             else:
                 if self.role == "prefill":
                     raise RpcFailure(
