@@ -242,6 +242,28 @@ def same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+def test_echo_puts_the_prompt_before_the_completion(
+    workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any
+) -> None:
+    token, eps = workers
+    head = "Once upon a time"
+    base_body = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    with router(token, tokenizer, eps) as base:
+
+        def post(**extra: Any) -> httpx.Response:
+            r = httpx.post(f"{base}/v1/completions", json={**base_body, **extra}, timeout=120)
+            assert r.status_code == 200, r.text
+            return r
+
+        for prompt in (head, tokenizer(head)["input_ids"]):
+            text = post(prompt=prompt, echo=True).json()["choices"][0]["text"]
+            plain = post(prompt=prompt).json()["choices"][0]["text"]
+            assert plain and text == head + plain
+            r = post(prompt=prompt, echo=True, stream=True)
+            chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+            assert "".join(c["choices"][0]["text"] for c in chunks) == text
+
+
 def test_what_vllm_bench_serve_sends(
     workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any
 ) -> None:

@@ -94,6 +94,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     """The chosen token's logprob and this many of the most likely ones at each position."""
     echo: bool = False
+    """Put the prompt's text before the completion's."""
     best_of: int | None = Field(default=None, ge=1, le=1)
     suffix: str | None = None
     logit_bias: dict[str, float] | None = None
@@ -121,8 +122,10 @@ class CompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported; use false")
+        if self.echo and self.logprobs is not None:
+            raise ValueError(
+                "echo with logprobs is not supported (prompt logprobs are not computed)"
+            )
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.logit_bias:

@@ -234,7 +234,8 @@ def create_app(service: RouterService) -> FastAPI:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         choices = [
-            choice(j, j.detok.text, j.tokens, j.logprobs, True, j.top_logprobs) for j in jobs
+            choice(j, j.echo + j.detok.text, j.tokens, j.logprobs, True, j.top_logprobs)
+            for j in jobs
         ]
         body = envelope(jobs[0], choices)
         body["usage"] = usage(jobs)
@@ -281,6 +282,7 @@ def create_app(service: RouterService) -> FastAPI:
                     # when its id or logprob was asked for
                     if not (text or final or job.return_token_ids or job.want_logprobs):
                         continue
+                    text, job.echo = job.echo + text, ""
                     ids, lps = list(ev.token_ids), list(ev.logprobs)
                     tops = list(ev.top_logprobs)
                     yield sse(chunk(jobs, [choice(job, text, ids, lps, final, tops)]))
@@ -331,7 +333,14 @@ def create_app(service: RouterService) -> FastAPI:
             prompt = list(service.tokenizer(body.prompt, add_special_tokens=True)["input_ids"])
         else:
             prompt = list(body.prompt)  # type: ignore[arg-type]
-        return await respond(request, make_job("text_completion", body, prompt), body)
+        job = make_job("text_completion", body, prompt)
+        if body.echo:
+            job.echo = (
+                body.prompt
+                if isinstance(body.prompt, str)
+                else service.tokenizer.decode(prompt, skip_special_tokens=True)
+            )
+        return await respond(request, job, body)
 
     @app.post("/v1/chat/completions", dependencies=[auth])
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:

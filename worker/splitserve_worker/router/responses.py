@@ -36,6 +36,9 @@ class Job:
     stream: bool
     index: int = 0
     """Which choice of the request this is (``n`` > 1 runs one job per choice)."""
+    echo: str = ""
+    """Text put before the completion's (the prompt, for ``echo``); a stream sends it with
+    its first text and then clears it."""
     include_usage: bool = False
     """Streaming: a last chunk, with no choice, carries the usage."""
     continuous_usage: bool = False
