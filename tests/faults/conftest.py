@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -51,8 +52,14 @@ def stack_factory(tmp_path: Path) -> Iterator[Any]:
 
 
 def prompt_of(i: int, n: int = 80, vocab: int = 256) -> list[int]:
-    """A distinct prompt per ``i`` (no shared prefix beyond the first token)."""
-    return [1] + [(i * 7919 + j * 104729 + 13) % (vocab - 3) + 3 for j in range(n - 1)]
+    """A distinct prompt per ``i`` (no shared prefix beyond the first token).
+
+    Drawn from a generator seeded with ``i``: an arithmetic formula repeated itself (its
+    prompts for ``i`` and ``i + 253`` were the same), so one scenario's prompts were
+    already in the prefix caches of the workers an earlier one used, and the router sent
+    them back there."""
+    rng = random.Random(i)
+    return [1] + [rng.randrange(3, vocab) for _ in range(n - 1)]
 
 
 async def one_request(

@@ -3,9 +3,10 @@
 One stack (two prefill, three decode workers, the router; real processes on 127.0.0.1)
 goes through the faults in order: the router's connections to a decode worker are cut,
 a decode worker is frozen (SIGSTOP) past its lease and thawed, a prefill worker is
-killed mid-prefill, a decode worker is killed mid-transfer, another mid-stream. Each kill
--9 hits a worker held at a named point (``kv.faults.Holds``: half a push sent, half a push
-received, a stream after its first tokens) and comes right after a SIGSTOP. After
+killed mid-prefill, a decode worker is killed mid-transfer, another mid-stream. Each fault
+hits the first worker the router used that stopped at a named point (``kv.faults.Holds``:
+half a push sent, half a push received, a stream after its first tokens; every worker of
+the role is armed, the others go on), and each kill -9 comes right after a SIGSTOP. After
 each: no request hangs, each one completed with the right greedy tokens or ended with a
 clear error in the OpenAI shape, and every surviving worker is back to its starting
 free-block count with no lease, running or waiting request left.
@@ -14,13 +15,13 @@ free-block count with no lease, running or waiting request left.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from splitserve_worker.server.client import WorkerClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -100,11 +101,11 @@ def test_router_connection_to_a_decode_worker_dropped(
     fault_stack: Any, kit: Any, tiny_model_path: Path
 ) -> None:
     s = fault_stack
-    d = DECODE[0]
 
     async def fault() -> None:
-        await _watch(s, (d,), lambda h: h.running > 0, "a request streaming on the decode worker")
-        assert s.relays[d].drop() > 0
+        live = tuple(i for i in DECODE if i in s.survivors())
+        async with _held(s, live, "stream", "a stream held after its first tokens") as d:
+            assert s.relays[d].drop() > 0
 
     async def go() -> None:
         outs, _, n = await scenario(s, kit, tiny_model_path, 1, fault)
@@ -117,18 +118,20 @@ def test_decode_worker_frozen_past_its_lease(
     fault_stack: Any, kit: Any, tiny_model_path: Path
 ) -> None:
     s = fault_stack
-    d = DECODE[1]
+    frozen: list[int] = []
 
     async def fault() -> None:
-        await _watch(s, (d,), lambda h: h.running > 0, "a request streaming on the decode worker")
-        s.freeze(d)
+        live = tuple(i for i in DECODE if i in s.survivors())
+        async with _held(s, live, "stream", "a stream held after its first tokens") as d:
+            s.freeze(d)
+            frozen.append(d)
         await asyncio.sleep(2 * kit.lease_s + 1)
         s.thaw(d)
 
     async def go() -> None:
         outs, _, n = await scenario(s, kit, tiny_model_path, 2, fault)
         assert n["done"] == N, kit.describe(outs)
-        assert d in s.survivors()
+        assert frozen and frozen[0] in s.survivors()
 
     asyncio.run(go())
 
@@ -137,18 +140,19 @@ def test_prefill_worker_killed_mid_prefill(
     fault_stack: Any, kit: Any, tiny_model_path: Path
 ) -> None:
     s = fault_stack
-    p = PREFILL[0]
+    killed: list[int] = []
 
     async def fault() -> None:
-        # the worker stops once a prompt's first layer went out, and dies there
-        await _kill_at(s, (p,), "push", "a push half sent by the prefill worker")
+        # the first prefill worker that sent a prompt's first layer dies right there
+        live = tuple(i for i in PREFILL if i in s.survivors())
+        killed.append(await _kill_at(s, live, "push", "a push half sent"))
 
     async def go() -> None:
         before = await kit.router_metric(s, "splitserve_router_retries_total")
         mark = len(s.router_lines)
         outs, _, n = await scenario(s, kit, tiny_model_path, 3, fault)
         assert n["done"] == N, kit.describe(outs)
-        assert p not in s.survivors()
+        assert killed and killed[0] not in s.survivors()
         after = await kit.router_metric(s, "splitserve_router_retries_total")
         seen = [ln for ln in s.router_lines[mark:] if "failed (" in ln]
         assert sum(after.values()) > sum(before.values()), f"none retried: {after}; {seen[-12:]}"
@@ -207,59 +211,24 @@ def freeze_then_kill(s: Any, i: int) -> None:
     s.stopped.discard(i)
 
 
-async def _watch(s: Any, workers: tuple[int, ...], pred: Callable[[Any], bool], what: str) -> int:
-    """Waits for a worker of ``workers`` whose Health shows ``pred``; returns its index.
-
-    Each watched worker is polled on its own, over one channel, as fast as it answers: on
-    the tiny model a handoff lasts milliseconds, and waiting for the slowest of several
-    busy workers before polling again (or opening a channel per call) can miss them all."""
-    live = [i for i in workers if i in s.survivors()]
-    clients = {i: WorkerClient(s.address(i), s.token, timeout=2.0) for i in live}
-    hit: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    polls = dict.fromkeys(live, 0)
-    last: dict[int, str] = {}
-
-    async def poll(i: int, c: WorkerClient) -> None:
-        while not hit.done():
-            try:
-                h = await c.health()
-            except Exception as e:  # a busy or dying worker: say so, keep polling
-                last[i] = repr(e)[:120]
-                await asyncio.sleep(0.005)
-                continue
-            polls[i] += 1
-            last[i] = f"running {h.running} leases {h.leases} prefilling {h.prefilling}"
-            if pred(h) and not hit.done():
-                hit.set_result(i + 1)  # truthy even for index 0
-
-    async def seen() -> int | None:
-        return hit.result() if hit.done() else None
-
-    tasks = [asyncio.create_task(poll(i, c)) for i, c in clients.items()]
-    try:
-        return int(await wait_for(seen, 20, what)) - 1
-    except AssertionError as e:
-        raise AssertionError(f"{e} (polls {polls}; last: {last})") from None
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for c in clients.values():
-            await c.close()
-
-
-async def _kill_at(s: Any, workers: tuple[int, ...], point: str, what: str) -> int:
-    """Arms hold ``point`` on ``workers``; the first to stop there is killed (the others
-    go on) and returned."""
+@contextlib.asynccontextmanager
+async def _held(s: Any, workers: tuple[int, ...], point: str, what: str) -> AsyncIterator[int]:
+    """Arms hold ``point`` on ``workers`` and yields the first to stop there (whichever the
+    router happened to use); on leaving, every hold is let go."""
     armed = [s.hold(i, point) for i in workers]
     try:
 
         async def seen() -> int | None:
             return next((i + 1 for i in workers if s.reached(i, point)), None)  # 0 is falsy
 
-        i = int(await wait_for(seen, 20, what)) - 1
-        freeze_then_kill(s, i)
-        return i
+        yield int(await wait_for(seen, 20, what)) - 1
     finally:
         for f in armed:
             f.unlink(missing_ok=True)
+
+
+async def _kill_at(s: Any, workers: tuple[int, ...], point: str, what: str) -> int:
+    """The first of ``workers`` to stop at ``point`` is killed there; returns it."""
+    async with _held(s, workers, point, what) as i:
+        freeze_then_kill(s, i)
+    return int(i)
