@@ -1,12 +1,14 @@
 """Greedy completions through the router equal transformers' generate, for disaggregated,
 colocated and mixed stacks of real worker processes on 127.0.0.1 (with and without a
-repetition penalty)."""
+repetition penalty). What OpenAI clients and load generators send is in
+``test_stack_api``."""
 
 from __future__ import annotations
 
 import json
 import re
 import secrets
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,60 +18,32 @@ import httpx
 import pytest
 from splitserve_worker.commands.up import WorkerProcs
 from splitserve_worker.kv.transport import unavailable_reason
-from splitserve_worker.router.config import RouterConfig
-from splitserve_worker.router.discovery import StaticDiscovery, WorkerEndpoint
+from splitserve_worker.router.discovery import WorkerEndpoint
 from splitserve_worker.router.local import RouterThread
 from splitserve_worker.router.scoring import Role
-from splitserve_worker.router.service import RouterService
+
+sys.path.insert(0, str(Path(__file__).parent))
+from stack_kit import (  # noqa: F401  (fixtures)
+    ALWAYS_REMOTE,
+    MAX_TOKENS,
+    PROMPTS,
+    decisions,
+    generate_reference,
+    reference_fixture,
+    router,
+    tokenizer_fixture,
+    workers_fixture,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-PROMPTS = [[5, 17, 99, 3, 42], list(range(10, 50)), [(i * 7919) % 250 for i in range(100)]]
-MAX_TOKENS = 12
 PENALTY = 1.5
-
-ALWAYS_REMOTE = "always"  # disaggregate every request these stacks can
 NIXL_SKIP = unavailable_reason("nixl")
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model_path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_model_path))
-
-
-def _generate(model_path: Path, **kw: Any) -> list[list[int]]:
-    """transformers' own greedy generate of every prompt, EOS ignored."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    out = []
-    for p in PROMPTS:
-        ids = torch.tensor([p])
-        gen = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-            **kw,
-        )
-        out.append(gen[0, len(p) :].tolist())
-    return out
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_path: Path) -> list[list[int]]:
-    return _generate(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
 def penalized(tiny_model_path: Path) -> list[list[int]]:
-    return _generate(tiny_model_path, repetition_penalty=PENALTY)
+    return generate_reference(tiny_model_path, repetition_penalty=PENALTY)
 
 
 @pytest.fixture(scope="module")
@@ -80,19 +54,6 @@ def nixl_workers(tiny_model_path: Path) -> Iterator[tuple[str, WorkerProcs]]:
                      extra_args=["--metrics-port", "0"], echo=False) as procs:  # fmt: skip
         procs.start(timeout_s=300)
         yield token, procs
-
-
-@pytest.fixture(scope="module")
-def workers(tiny_model_path: Path) -> Iterator[tuple[str, list[WorkerEndpoint]]]:
-    token = secrets.token_hex(8)
-    roles = [Role.PREFILL, Role.DECODE, Role.BOTH]
-    with WorkerProcs(str(tiny_model_path), roles, token, threads=1, echo=False) as procs:
-        yield token, procs.start(timeout_s=300)
-
-
-def router(token: str, tokenizer: Any, eps: list[WorkerEndpoint], **cfg: Any) -> RouterThread:
-    config = RouterConfig(model_name="tiny", worker_token=token, **cfg)
-    return RouterThread(RouterService(config, tokenizer, StaticDiscovery(eps)))
 
 
 def complete(base: str, prompt: list[int], stream: bool, **extra: Any) -> list[int]:
@@ -125,12 +86,6 @@ def complete(base: str, prompt: list[int], stream: bool, **extra: Any) -> list[i
         finish = chunk["choices"][0]["finish_reason"] or finish
     assert finish == "length"
     return ids
-
-
-def decisions(base: str) -> dict[str, float]:
-    text = httpx.get(f"{base}/metrics").text
-    found = re.findall(r'splitserve_disaggregation_decisions_total\{decision="(\w+)"\} (\S+)', text)
-    return {k: float(v) for k, v in found}
 
 
 @pytest.mark.parametrize("stack", ["disaggregated", "colocated", "mixed"])
@@ -180,181 +135,6 @@ def test_repetition_penalty_tokens_equal_transformers(
     with rt as base:
         for prompt, want in zip(PROMPTS, penalized, strict=True):
             assert complete(base, prompt, stream=True, repetition_penalty=PENALTY) == want
-
-
-def test_top_logprobs_are_the_same_disaggregated_and_colocated(
-    workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any
-) -> None:
-    """The first token's alternatives come from the prefill worker (through Commit), the
-    rest from the decode worker: the answer equals one worker's."""
-    token, eps = workers
-    by_role = {e.role: e for e in eps}
-    chat = {"messages": [{"role": "user", "content": "name a colour"}], "max_tokens": 5,
-            "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 3}  # fmt: skip
-    text = {"prompt": "one two three", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
-            "logprobs": 2}  # fmt: skip
-    answers: list[Any] = []
-    for stack, how in (([by_role[Role.PREFILL], by_role[Role.DECODE]], "remote"),
-                       ([by_role[Role.BOTH]], "local")):  # fmt: skip
-        with router(token, tokenizer, stack, disaggregation=ALWAYS_REMOTE) as base:
-            for path, body in (("chat/completions", chat), ("completions", text)):
-                for stream in (False, True):
-                    r = httpx.post(f"{base}/v1/{path}", json={**body, "stream": stream},
-                                   timeout=120)  # fmt: skip
-                    assert r.status_code == 200, r.text
-                    answers.append(r.text if stream else r.json()["choices"][0]["logprobs"])
-            assert decisions(base) == {how: 4}
-    disagg, coloc = answers[:4], answers[4:]
-    chat_lp, text_lp = disagg[0], disagg[2]
-    # the same tokens and alternatives; logprobs agree to float noise (a prefix-cache hit
-    # computes the prompt in other chunks)
-    assert same(chat_lp, coloc[0]) and same(text_lp, coloc[2])
-    for entry in chat_lp["content"]:
-        top = entry["top_logprobs"]
-        assert len(top) == 3 and top[0]["token"] == entry["token"]
-        assert top[0]["logprob"] == pytest.approx(entry["logprob"], abs=1e-5)
-        assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
-    assert len(text_lp["top_logprobs"]) == 4
-    for tok, alts in zip(text_lp["tokens"], text_lp["top_logprobs"], strict=True):
-        assert 1 <= len(alts) <= 2 and tok in alts
-
-    def streamed(raw: str, chat: bool) -> list[Any]:
-        chunks = [json.loads(ln[6:]) for ln in raw.splitlines() if ln.startswith("data: {")]
-        lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
-        if chat:
-            return [e for lp in lps for e in lp["content"]]
-        return [a for lp in lps for a in lp["top_logprobs"]]
-
-    assert same(streamed(disagg[1], True), chat_lp["content"])
-    assert same(streamed(coloc[1], True), chat_lp["content"])
-    assert same(streamed(disagg[3], False), text_lp["top_logprobs"])
-    assert same(streamed(coloc[3], False), text_lp["top_logprobs"])
-
-
-def same(a: Any, b: Any) -> bool:
-    """Equal, floats to within 1e-4."""
-    if isinstance(a, float) or isinstance(b, float):
-        return bool(a == pytest.approx(b, abs=1e-4))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
-
-
-def test_echo_puts_the_prompt_before_the_completion(
-    workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any
-) -> None:
-    token, eps = workers
-    head = "Once upon a time"
-    base_body = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
-    with router(token, tokenizer, eps) as base:
-
-        def post(**extra: Any) -> httpx.Response:
-            r = httpx.post(f"{base}/v1/completions", json={**base_body, **extra}, timeout=120)
-            assert r.status_code == 200, r.text
-            return r
-
-        for prompt in (head, tokenizer(head)["input_ids"]):
-            text = post(prompt=prompt, echo=True).json()["choices"][0]["text"]
-            plain = post(prompt=prompt).json()["choices"][0]["text"]
-            assert plain and text == head + plain
-            r = post(prompt=prompt, echo=True, stream=True)
-            chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
-            assert "".join(c["choices"][0]["text"] for c in chunks) == text
-
-
-def test_what_vllm_bench_serve_sends(
-    workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any
-) -> None:
-    """The body of `vllm bench serve`'s completions requests, as it sends it: every token
-    streams, and the last chunk before [DONE] is the usage, with no choice."""
-    token, eps = workers
-    body = {"model": "tiny", "prompt": "hello there", "repetition_penalty": 1.0,
-            "max_tokens": 6, "logprobs": None, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
-    with (
-        router(token, tokenizer, eps) as base,
-        httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r,
-    ):
-        assert r.status_code == 200, r.read()
-        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
-    assert all(len(c["choices"]) == 1 for c in chunks[:-1])
-    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
-
-
-def _choices(base: str, body: dict[str, Any]) -> tuple[dict[int, list[int]], dict[str, Any]]:
-    """Token ids of each choice, and the usage, of a completion, streamed or not."""
-    if not body.get("stream"):
-        r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        got = {c["index"]: c["token_ids"] for c in r.json()["choices"]}
-        return got, r.json()["usage"]
-    body = {**body, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
-    streamed: dict[int, list[int]] = {}
-    for c in chunks[:-1]:
-        assert "error" not in c, c
-        (ch,) = c["choices"]
-        streamed.setdefault(ch["index"], []).extend(ch["token_ids"])
-    assert chunks[-1]["choices"] == []
-    return streamed, chunks[-1]["usage"]
-
-
-def test_n_choices_each_run_as_a_request_of_their_own(
-    workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any, reference: Any
-) -> None:
-    token, eps = workers
-    prompt = PROMPTS[1]
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
-            "return_token_ids": True}  # fmt: skip
-    with router(token, tokenizer, eps) as base:
-        # greedy: every choice is the greedy answer
-        for stream in (False, True):
-            got, use = _choices(base, {**body, "n": 2, "temperature": 0, "stream": stream})
-            assert got == {0: reference[1], 1: reference[1]}
-            assert use["completion_tokens"] == 2 * MAX_TOKENS
-            assert use["prompt_tokens"] == len(prompt)
-        # seeded sampling: the choices differ from each other, and repeat exactly
-        seeded = {**body, "n": 3, "temperature": 1.0, "seed": 7}
-        plain, _ = _choices(base, {**seeded, "stream": False})
-        streamed, use = _choices(base, {**seeded, "stream": True})
-        chat = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 3,
-                "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
-        r = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=120)
-        chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
-    assert sorted(plain) == [0, 1, 2] and plain == streamed
-    assert len({tuple(t) for t in plain.values()}) == 3, plain
-    assert all(len(t) == MAX_TOKENS for t in plain.values())
-    assert use["completion_tokens"] == 3 * MAX_TOKENS
-    # chat: the first chunk gives each choice its role; each choice finishes once
-    assert [c["delta"]["role"] for c in chunks[0]["choices"]] == ["assistant", "assistant"]
-    finished = [ch["index"] for c in chunks[1:] for ch in c["choices"] if ch["finish_reason"]]
-    assert sorted(finished) == [0, 1]
-
-
-def test_what_guidellm_sends(workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any) -> None:
-    """GuideLLM asks for vLLM's continuous usage: every chunk carries the usage so far."""
-    token, eps = workers
-    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 6, "stop": None,
-            "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
-    with (
-        router(token, tokenizer, eps) as base,
-        httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r,
-    ):
-        assert r.status_code == 200, r.read()
-        lines = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
-    chunks = [json.loads(ln[6:]) for ln in lines]
-    seen = [c["usage"]["completion_tokens"] for c in chunks]
-    assert seen == sorted(seen) and seen[-1] == 6 and seen[0] >= 1, seen
-    assert all(c["usage"]["prompt_tokens"] == chunks[0]["usage"]["prompt_tokens"] for c in chunks)
-    assert chunks[-1]["choices"] == []
 
 
 @pytest.mark.nixl
