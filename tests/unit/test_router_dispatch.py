@@ -17,7 +17,8 @@ from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.router.config import QueueConfig, RouterConfig, TimeoutConfig
 from splitserve_worker.router.discovery import WorkerEndpoint
-from splitserve_worker.router.dispatch import Dispatcher, GenRequest, RequestFailed
+from splitserve_worker.router.dispatch import Dispatcher, GenRequest
+from splitserve_worker.router.failures import RequestFailed
 from splitserve_worker.router.planner import RoutePlanner
 from splitserve_worker.router.pool import WorkerPool
 from splitserve_worker.router.scoring import Role

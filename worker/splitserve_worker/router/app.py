@@ -26,8 +26,9 @@ from splitserve_worker.metrics.names import (
 )
 from splitserve_worker.router import errors
 from splitserve_worker.router.api_models import ChatCompletionRequest, CompletionRequest
-from splitserve_worker.router.dispatch import GenRequest, RequestFailed, TokenEvent
+from splitserve_worker.router.dispatch import GenRequest, TokenEvent
 from splitserve_worker.router.errors import APIError
+from splitserve_worker.router.failures import RequestFailed
 from splitserve_worker.router.queues import Saturated
 from splitserve_worker.router.responses import (
     Job,

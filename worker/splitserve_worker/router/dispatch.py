@@ -44,6 +44,7 @@ from splitserve_worker.router.config import RouterConfig
 from splitserve_worker.router.failures import (
     LOST_CODES,
     AttemptFailed,
+    RequestFailed,
     Stale,
     rpc_code,
     rpc_details,
@@ -74,15 +75,6 @@ class TokenEvent:
     num_cached_tokens: int = 0
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     """Per token, when asked for: the most likely tokens there, with their logprobs."""
-
-
-class RequestFailed(Exception):
-    """The request could not be served; ``status`` is the HTTP status to answer with."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 MAX_REPLANS = 8

@@ -1,6 +1,7 @@
 """How an attempt on the workers failed, and what the router does about it: the
-gRPC codes that mean a worker is lost (not only this request on it), and the
-exceptions that carry a failed attempt back to the retry loop."""
+gRPC codes that mean a worker is lost (not only this request on it), the
+exceptions that carry a failed attempt back to the retry loop, and the one that
+ends a request."""
 
 from __future__ import annotations
 
@@ -15,6 +16,15 @@ LOST_CODES = {
     grpc.StatusCode.ABORTED,
 }
 """Codes after which the worker itself is suspect: mark it unhealthy."""
+
+
+class RequestFailed(Exception):
+    """The request could not be served; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
 
 
 class Stale(Exception):
