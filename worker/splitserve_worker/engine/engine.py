@@ -159,6 +159,12 @@ class Engine:
                 f"or give the worker more KV memory"
             )
 
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        """What the sampler needs to choose ``seq``'s next token."""
+        return SampleRow(
+            seq.params, seq.generator, self.stopper.suppressed(seq), seq.tokens, seq.prompt_len
+        )
+
     def _new_seq(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> Sequence:
         self._arrivals += 1
         return Sequence(
@@ -232,10 +238,7 @@ class Engine:
             self.scheduler.commit(s.seq, s.num_tokens, cache=self.config.enable_prefix_cache)
         if not sampling_seqs:
             return []
-        rows = [
-            SampleRow(q.params, q.generator, self.stopper.suppressed(q), q.tokens, q.prompt_len)
-            for q in sampling_seqs
-        ]
+        rows = [self._sample_row(q) for q in sampling_seqs]
         tokens, logprobs = sample(logits, rows)
         tops = top_logprobs(logits, rows)
         outputs = []

@@ -11,7 +11,7 @@ import torch
 
 from splitserve_worker.engine.errors import NoCapacity
 from splitserve_worker.engine.model_runner import Chunk
-from splitserve_worker.engine.sampling import SampleRow, SamplingParams, sample, top_logprobs
+from splitserve_worker.engine.sampling import SamplingParams, sample, top_logprobs
 from splitserve_worker.engine.scheduler import blocks_for
 from splitserve_worker.engine.sequence import PrefillResult, SeqStatus, Sequence
 
@@ -61,11 +61,7 @@ def prefill_export(
     try:
         logits = export_forward(engine, seq, on_layer)
         engine.scheduler.commit(seq, 0, cache=engine.config.enable_prefix_cache)
-        rows = [
-            SampleRow(
-                sampling, seq.generator, engine.stopper.suppressed(seq), seq.tokens, seq.prompt_len
-            )
-        ]
+        rows = [engine._sample_row(seq)]
         tokens, logprobs = sample(logits, rows)
         tops = top_logprobs(logits, rows)
     finally:
