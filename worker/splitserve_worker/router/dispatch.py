@@ -54,6 +54,7 @@ from splitserve_worker.router.pool import WorkerPool
 from splitserve_worker.router.queues import Admission, Stage
 from splitserve_worker.router.scoring import DECODE_ROLES, PREFILL_ROLES
 from splitserve_worker.router.worker_client import Sampling, WorkerConn
+from splitserve_worker.server.convert import top_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class TokenEvent:
     logprobs: tuple[float, ...]
     finish_reason: str | None
     num_cached_tokens: int = 0
-    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    top_logprobs: tuple[list[tuple[int, float]], ...] = ()
     """Per token, when asked for: the most likely tokens there, with their logprobs."""
 
 
@@ -277,8 +278,7 @@ class Dispatcher:
                     raise AttemptFailed(d_name, "decode_lost", "aborted by the worker", lost=False)
                 if fr is not None:
                     finished = True
-                tops = tuple(tuple(zip(t.token_ids, t.logprobs, strict=True))
-                             for t in item.top_logprobs)  # fmt: skip
+                tops = tuple(top_from_proto(t) for t in item.top_logprobs)
                 yield TokenEvent(
                     tuple(item.token_ids), tuple(item.logprobs), fr, item.num_cached_tokens, tops
                 )
