@@ -29,7 +29,7 @@ from unittest import mock
 import httpx
 from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.commands.up import WorkerProc, WorkerProcs
-from splitserve_worker.kv.faults import ENV_HOLD_DIR
+from splitserve_worker.kv.faults import ENV_HOLD_DIR, hold_files
 from splitserve_worker.router.scoring import Role
 from splitserve_worker.server.client import WorkerClient
 
@@ -217,22 +217,23 @@ class Stack:
         self.procs.procs[i].proc.send_signal(signal.SIGCONT)
         self.stopped.discard(i)
 
-    def _holds_of(self, i: int) -> Path:
-        """Worker ``i``'s folder of hold points (see ``kv.faults.Holds``)."""
-        return self.workdir / "holds" / str(self.procs.procs[i].proc.pid)
+    def _hold_files(self, i: int, point: str) -> tuple[Path, Path]:
+        """Worker ``i``'s files for hold ``point`` (see ``kv.faults.Holds``)."""
+        pid = self.procs.procs[i].proc.pid
+        armed, reached = hold_files(str(self.workdir / "holds"), pid, point)
+        return Path(armed), Path(reached)
 
     def hold(self, i: int, point: str) -> Path:
         """Arms hold ``point`` on worker ``i``; returns the file whose removal lets it go on."""
-        d = self._holds_of(i)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"{point}.reached").unlink(missing_ok=True)
-        armed = d / point
+        armed, reached = self._hold_files(i, point)
+        armed.parent.mkdir(parents=True, exist_ok=True)
+        reached.unlink(missing_ok=True)
         armed.touch()
         return armed
 
     def reached(self, i: int, point: str) -> bool:
         """Whether worker ``i`` has stopped at hold ``point`` since it was armed."""
-        return (self._holds_of(i) / f"{point}.reached").exists()
+        return self._hold_files(i, point)[1].exists()
 
     def logs(self) -> list[str]:
         return [*self.procs.lines, *(f"[router] {line}" for line in self.router_lines)]

@@ -80,6 +80,12 @@ class FaultConfig:
         return cls(prob(ENV_FAIL), prob(ENV_CORRUPT), seed, hold_dir)
 
 
+def hold_files(directory: str, pid: int, point: str) -> tuple[str, str]:
+    """The file that arms ``point`` in process ``pid``, and the one it writes on arrival."""
+    armed = os.path.join(directory, str(pid), point)
+    return armed, armed + ".reached"
+
+
 @dataclass(frozen=True)
 class Holds:
     """Named points where a worker waits on request, so a test can kill it right there.
@@ -97,12 +103,12 @@ class Holds:
             return None
         if point not in HOLD_POINTS:
             raise ValueError(f"unknown hold point {point!r}; known: {HOLD_POINTS}")
-        base = os.path.join(self.directory, str(os.getpid()), point)
-        if not os.path.exists(base):
+        armed, reached = hold_files(self.directory, os.getpid(), point)
+        if not os.path.exists(armed):
             return None
-        with open(base + ".reached", "a"):
+        with open(reached, "a"):
             pass
-        return base
+        return armed
 
     def wait(self, point: str) -> bool:
         """Blocks while ``point`` is armed; returns whether it held."""
