@@ -32,18 +32,17 @@ import argparse
 import asyncio
 import itertools
 import multiprocessing as mp
-import os
 import socket
 import time
 from multiprocessing import shared_memory
 from typing import Any
 
-os.environ.setdefault("UCX_TLS", "cma,tcp")
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-
 import torch
 from cpu_clock import CpuClock, Measured, cpu_report
 from kv_overlap import TOKEN, bench_exposed
+from splitserve_worker.kv.nixl_common import loopback_env
+
+loopback_env()  # before any NIXL agent, here and in the processes started from here
 
 LAYERS, HEADS, DIM, TOKENS, BLOCK = 8, 8, 128, 4096, 16
 NBYTES = LAYERS * 2 * TOKENS * HEADS * DIM * 4  # 256 MiB

@@ -8,7 +8,6 @@ worker *processes* is in ``test_kv_processes.py``.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,6 +19,7 @@ import pytest
 from splitserve.v1 import worker_pb2 as pb
 from splitserve.v1 import worker_pb2_grpc
 from splitserve_worker.kv.faults import FaultConfig
+from splitserve_worker.kv.nixl_common import loopback_env
 from splitserve_worker.kv.transport import unavailable_reason
 from splitserve_worker.server.app import RunningWorker, start_worker
 from splitserve_worker.server.client import WorkerClient
@@ -30,8 +30,7 @@ pytestmark = pytest.mark.integration
 
 TOKEN = "test-token-1"
 NIXL_SKIP = unavailable_reason("nixl")
-os.environ.setdefault("UCX_TLS", "cma,tcp")
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
+loopback_env()
 
 
 @pytest.fixture(autouse=True)

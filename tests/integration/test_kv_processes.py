@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 from splitserve.v1 import worker_pb2 as pb
+from splitserve_worker.kv.nixl_common import loopback_tls
 from splitserve_worker.kv.transport import unavailable_reason
 from splitserve_worker.server.client import WorkerClient
 
@@ -48,7 +49,8 @@ class Proc:
 
 def spawn(model: Path, role: str, *extra: str) -> Proc:
     env = dict(os.environ, SPLITSERVE_WORKER_TOKEN=TOKEN, OMP_NUM_THREADS="1",
-               UCX_TLS="cma,tcp", UCX_NET_DEVICES="lo", TOKENIZERS_PARALLELISM="false")  # fmt: skip
+               UCX_TLS=loopback_tls(), UCX_NET_DEVICES="lo",
+               TOKENIZERS_PARALLELISM="false")  # fmt: skip
     cmd = [sys.executable, "-m", "splitserve_worker.cli", "worker", "--role", role,
            "--model", str(model), "--port", "0", "--threads", "1", "--num-blocks", "600",
            *extra]  # fmt: skip

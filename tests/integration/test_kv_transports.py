@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import zlib
 from collections.abc import AsyncIterator
@@ -17,6 +16,7 @@ from splitserve_worker.kv import grpc_backend
 from splitserve_worker.kv.compat import Compat
 from splitserve_worker.kv.layout import PoolView, as_bytes, token_chunks
 from splitserve_worker.kv.lease import LeaseTable
+from splitserve_worker.kv.nixl_common import loopback_env
 from splitserve_worker.kv.transport import (
     BackendContext,
     TransferError,
@@ -32,15 +32,14 @@ from splitserve_worker.server.service import WorkerService, add_to_server
 from splitserve_worker.server.wire import SERVER_OPTIONS
 
 pytestmark = pytest.mark.integration
-os.environ.setdefault("UCX_TLS", "cma,tcp")
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
+loopback_env()
 
 TOKEN = "transport-token"
 NIXL_SKIP = unavailable_reason("nixl")
 L, NB, BS, H, D = 3, 40, 16, 2, 8
 COMPAT = Compat("bare", "float32", BS, L, H, D, "LKBTHD-v1")
-BACKENDS = ["grpc", pytest.param("nixl", marks=[pytest.mark.nixl, pytest.mark.skipif(
-    NIXL_SKIP is not None, reason=NIXL_SKIP or "")])]  # fmt: skip
+NIXL_MARKS = [pytest.mark.nixl, pytest.mark.skipif(NIXL_SKIP is not None, reason=NIXL_SKIP or "")]
+BACKENDS = ["grpc", pytest.param("nixl", marks=NIXL_MARKS)]
 
 
 @asynccontextmanager

@@ -107,10 +107,11 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 
 async def serve(config: WorkerConfig) -> int:
-    from splitserve_worker.server.app import nixl_loopback_env, start_worker
+    from splitserve_worker.kv.nixl_common import loopback_env
+    from splitserve_worker.server.app import start_worker
 
     if config.kv_backend == "nixl" and config.host in ("127.0.0.1", "localhost"):
-        nixl_loopback_env()
+        loopback_env()
     worker = await start_worker(config)
     if worker.metrics_port is not None:
         print(f"{METRICS_PREFIX}{worker.metrics_port}", flush=True)

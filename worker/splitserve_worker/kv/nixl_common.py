@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -18,6 +19,20 @@ def unavailable_reason() -> str | None:
     except Exception as e:  # any import failure (missing wheel, missing libs) means "absent"
         return f"NIXL is not importable here ({type(e).__name__}: {e}); pip install nixl-cu12"
     return None
+
+
+def loopback_tls(gpus: bool | None = None) -> str:
+    """UCX transports for NIXL between processes on one host: CMA and TCP; where NVIDIA
+    GPUs are present NIXL refuses a list without CUDA support, so ``cuda_copy`` and
+    ``cuda_ipc`` (GPU to GPU) join them."""
+    gpus = torch.cuda.is_available() if gpus is None else gpus
+    return "cma,tcp,cuda_copy,cuda_ipc" if gpus else "cma,tcp"
+
+
+def loopback_env() -> None:
+    """Set UCX's transports for NIXL on one host (tests, benches, `up`), unless already set."""
+    os.environ.setdefault("UCX_TLS", loopback_tls())
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
 def make_agent(name: str) -> Any:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import socket
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,9 +157,3 @@ def _reachable_host(host: str) -> str:
     if host in ("0.0.0.0", "::", ""):
         return socket.gethostname()
     return host
-
-
-def nixl_loopback_env() -> None:
-    """UCX settings for NIXL between processes on one host (tests, benches, `up`)."""
-    os.environ.setdefault("UCX_TLS", "cma,tcp")
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
