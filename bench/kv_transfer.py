@@ -22,8 +22,11 @@
 Ends with ``RESULT grpc_vs_tcp=<r> nixl_vs_shm=<r> exposed_fraction=<f>``
 (targets: >= 0.8, >= 0.5, <= 0.2).
 
+``--streams N`` pushes over N connections (default: what a worker on this host uses,
+2 on 8 or more cores, else 1).
+
     .venv/bin/python bench/kv_transfer.py [--repeats 3] [--model smollm2-135m] [--skip-model]
-        [--blocks churn|reversed|ascending]
+        [--blocks churn|reversed|ascending] [--streams N]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import argparse
 import asyncio
 import itertools
 import multiprocessing as mp
+import os
 import socket
 import time
 from multiprocessing import shared_memory
@@ -203,7 +207,9 @@ class TcpRun:
 class BackendRun:
     """A receiver process holding a pool; each run pushes all layers into fresh leases."""
 
-    def __init__(self, backend: str, src: torch.Tensor, blocks: list[int]) -> None:
+    def __init__(
+        self, backend: str, src: torch.Tensor, blocks: list[int], streams: int = 0
+    ) -> None:
         from splitserve_worker.kv.transport import BackendContext, create_sender_backend
 
         self._blocks = blocks
@@ -214,8 +220,8 @@ class BackendRun:
         self._p.start()
         self._address, self._metadata = self._q_out.get(timeout=120)
         self._compat = _compat()
-        self._sender = create_sender_backend(backend, BackendContext(compat=self._compat,
-                                                                     token=TOKEN))  # fmt: skip
+        sender_ctx = BackendContext(compat=self._compat, token=TOKEN, streams=streams)
+        self._sender = create_sender_backend(backend, sender_ctx)
         self._backend, self._i = backend, 0
         # per layer, fresh K and V tensors: what the engine's layer-wise prefill hands over
         self._layers = [(src[i, 0].clone(), src[i, 1].clone()) for i in range(LAYERS)]
@@ -305,6 +311,9 @@ def main() -> None:
         default="churn",
         help="the receiving block table: the allocator's after churn, or fixed",
     )
+    ap.add_argument(
+        "--streams", type=int, default=0, help="connections per grpc push (0: as a worker)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     from splitserve_worker.kv.transport import unavailable_reason
@@ -314,9 +323,13 @@ def main() -> None:
     print(f"payload: {NBYTES / 2**20:.0f} MiB ({LAYERS} layers x {TOKENS} tokens) into "
           f"{len(blocks)} blocks of a {POOL_BLOCKS}-block pool ({args.blocks}: {runs(blocks)} "
           f"runs of consecutive blocks)", flush=True)  # fmt: skip
-    grpc, tcp = side_by_side(BackendRun("grpc", src, blocks), TcpRun(src, args.repeats + 2),
-                             args.repeats)  # fmt: skip
-    print(f"grpc backend {grpc.gbs:.2f} GB/s   plain TCP {tcp.gbs:.2f} GB/s", flush=True)
+    from splitserve_worker.kv.grpc_backend import default_streams
+
+    streams = args.streams or default_streams()
+    grpc, tcp = side_by_side(BackendRun("grpc", src, blocks, streams),
+                             TcpRun(src, args.repeats + 2), args.repeats)  # fmt: skip
+    print(f"grpc backend {grpc.gbs:.2f} GB/s ({streams} stream{'s' * (streams > 1)} on "
+          f"{os.cpu_count()} cores)   plain TCP {tcp.gbs:.2f} GB/s", flush=True)  # fmt: skip
     print(cpu_report("grpc", grpc, "TCP", tcp, NBYTES), flush=True)
     nixl_reason = unavailable_reason("nixl")
     if nixl_reason:

@@ -70,10 +70,12 @@ def fresh_kv(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(L)]  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "streams"), [
+    ("grpc", 1), ("grpc", 3), pytest.param("nixl", 1, marks=NIXL_MARKS)])  # fmt: skip
 def test_spans_land_in_scattered_blocks_with_checksums(
-    backend: str, monkeypatch: pytest.MonkeyPatch
+    backend: str, streams: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # grpc deals the spans to ``streams`` connections: a layer's spans arrive out of order
     # tiny wire messages, so one span crosses several messages and several blocks
     monkeypatch.setattr(grpc_backend, "token_chunks", lambda n, b: token_chunks(n, b, 700))
 
@@ -84,7 +86,7 @@ def test_spans_land_in_scattered_blocks_with_checksums(
             target = TransferTarget("r", lease.lease_id, address, tuple(blocks), n, COMPAT.hash,
                                     recv.backend_metadata(), time.time() + 30)  # fmt: skip
             sender_backend = create_sender_backend(
-                backend, BackendContext(compat=COMPAT, token=TOKEN, checksums=True)
+                backend, BackendContext(compat=COMPAT, token=TOKEN, checksums=True, streams=streams)
             )
             kv = fresh_kv(n, 1)
             sender = sender_backend.open(target)
@@ -103,6 +105,41 @@ def test_spans_land_in_scattered_blocks_with_checksums(
                 assert stats.layer_crc32[2 * layer + 1] == zlib.crc32(as_bytes(kv[layer][1]))
             others = [b for b in range(NB) if b not in blocks]
             assert pool[:, :, others].abs().sum() == 0
+            sender_backend.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_push_writes_nothing_once_its_reservation_is_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Released mid-push (or dropped by a failing sibling stream): the blocks may be
+    # someone else's from then on, so the spans still arriving must not land in them.
+    monkeypatch.setattr(grpc_backend, "token_chunks", lambda n, b: token_chunks(n, b, 700))
+
+    async def scenario() -> None:
+        async with receiver("grpc") as (address, _, leases, pool):
+            n, blocks = 100, [3, 4, 5, 6, 7, 8, 9]
+            lease = leases.add("r", blocks, num_tokens=n, num_layers=L, ttl=30, backend="grpc")
+            target = TransferTarget("r", lease.lease_id, address, tuple(blocks), n, COMPAT.hash,
+                                    b"", time.time() + 30)  # fmt: skip
+            sender_backend = create_sender_backend("grpc", BackendContext(COMPAT, TOKEN, streams=2))
+            sender = sender_backend.open(target)
+            kv = fresh_kv(n, 3)
+            await asyncio.to_thread(sender.send_layer, 0, kv[0][0], kv[0][1], 0)
+            while lease.bytes_received == 0:
+                await asyncio.sleep(0.005)
+            # what a Release does to the table (no engine here to free blocks in), on the
+            # server's own loop: no span is written in between
+            assert leases.pop("r") is lease
+            pool.zero_()
+            for layer in range(1, L):
+                k, v = kv[layer]
+                await asyncio.to_thread(sender.send_layer, layer, k, v, 0)
+            with pytest.raises(TransferError) as e:
+                await asyncio.to_thread(sender.finish, 30)
+            assert "dropped mid-push" in str(e.value) or "no reservation" in str(e.value)
+            assert pool.abs().sum() == 0
             sender_backend.close()
 
     asyncio.run(scenario())

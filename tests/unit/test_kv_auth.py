@@ -43,6 +43,8 @@ def test_worker_config_checks_fields_and_hides_token() -> None:
     assert "hidden-value" not in repr(cfg)
     with pytest.raises(ConfigError, match="--role"):
         WorkerConfig(role="router", model="m", token="t")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="--kv-streams"):
+        WorkerConfig(role="prefill", model="m", token="t", kv_streams=9)
     with pytest.raises(ConfigError, match="--lease-seconds"):
         WorkerConfig(role="decode", model="m", token="t", lease_seconds=0)
     with pytest.raises(ConfigError, match="token"):

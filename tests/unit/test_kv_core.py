@@ -145,6 +145,43 @@ def test_lease_lifecycle_and_expiry() -> None:
     assert len(table) == 0
 
 
+def test_spans_in_any_order_complete_a_layer_only_once_all_arrived() -> None:
+    # a push over several streams delivers a layer's spans out of order
+    table = LeaseTable(Clock())
+    lease = table.add("r1", [1, 2], num_tokens=20, num_layers=2, ttl=5, backend="grpc")
+    table.add_span(lease, 0, 12, 8, 64)  # the tail first: not complete (record would say so)
+    assert lease.layers_complete == 0
+    table.add_span(lease, 1, 0, 20, 160)
+    table.add_span(lease, 0, 0, 12, 96)
+    assert lease.complete and lease.bytes_received == 320
+    with pytest.raises(LeaseError, match="out of range"):
+        table.add_span(lease, 0, 15, 6, 1)
+    assert table.holds(lease)
+    table.pop("r1")
+    assert not table.holds(lease)
+    again = table.add("r1", [1, 2], num_tokens=20, num_layers=2, ttl=5, backend="grpc")
+    assert table.holds(again) and not table.holds(lease)  # same request, a new reservation
+
+
+def test_streams_per_push_follow_the_core_count() -> None:
+    from splitserve_worker.kv.grpc_backend import GrpcSenderBackend, default_streams
+
+    assert [default_streams(c) for c in (1, 2, 4, 7, 8, 16, 64)] == [1, 1, 1, 1, 2, 2, 2]
+    backend = GrpcSenderBackend(transport.BackendContext(compat=BASE, streams=3))
+    assert backend.streams == 3
+    backend.close()
+    with pytest.raises(ValueError, match="1 to 8"):
+        GrpcSenderBackend(transport.BackendContext(compat=BASE, streams=9))
+
+
+def test_nixl_on_one_host_adds_cuda_transports_where_gpus_are() -> None:
+    from splitserve_worker.kv.nixl_common import loopback_tls
+
+    assert loopback_tls(gpus=False) == "cma,tcp"
+    assert loopback_tls(gpus=True).split(",")[:2] == ["cma", "tcp"]
+    assert {"cuda_copy", "cuda_ipc"} <= set(loopback_tls(gpus=True).split(","))
+
+
 def test_attached_leases_do_not_expire() -> None:
     clock = Clock()
     table = LeaseTable(clock)

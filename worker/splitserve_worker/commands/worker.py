@@ -60,6 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in a batch")
     p.add_argument("--checksums", action="store_true", help="crc32 every pushed KV layer")
     p.add_argument(
+        "--kv-streams",
+        type=int,
+        default=0,
+        help="concurrent connections a grpc KV push uses (0: 2 on 8 or more cores, else 1)",
+    )
+    p.add_argument(
         "--parent-pid",
         type=int,
         default=None,
@@ -101,6 +107,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         num_blocks=args.num_blocks,
         threads=args.threads,
         checksums=args.checksums,
+        kv_streams=args.kv_streams,
         max_num_seqs=args.max_num_seqs,
         faults=FaultConfig.from_env(),
     )

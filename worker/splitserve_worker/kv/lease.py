@@ -101,6 +101,11 @@ class LeaseTable:
         with self._lock:
             return request_id in self._by_request
 
+    def holds(self, lease: Lease) -> bool:
+        """Whether ``lease`` is still the table's reservation for its request."""
+        with self._lock:
+            return self._by_request.get(lease.request_id) is lease
+
     def get(self, request_id: str, lease_id: str | None = None) -> Lease:
         with self._lock:
             lease = self._by_request.get(request_id)
@@ -118,22 +123,41 @@ class LeaseTable:
             raise LeaseError(f"the lease of request {request_id!r} expired: Reserve again")
         return lease
 
-    def record(
-        self, lease: Lease, layer: int, start: int, count: int, nbytes: int, *, renew: bool = False
-    ) -> None:
-        """Tokens ``[start, start + count)`` of ``layer`` arrived (in order per layer).
-
-        ``renew``: the lease runs for its full TTL again from now (a push that keeps
-        arriving is alive; only one that stops for a TTL is given up)."""
+    @staticmethod
+    def _check_range(lease: Lease, layer: int, start: int, count: int) -> None:
         if not 0 <= layer < lease.num_layers:
             raise LeaseError(f"layer {layer} out of range 0..{lease.num_layers - 1}")
-        if start < 0 or start + count > lease.num_tokens:
+        if start < 0 or count < 0 or start + count > lease.num_tokens:
             raise LeaseError(
                 f"tokens {start}..{start + count} out of range for a "
                 f"{lease.num_tokens}-token reservation"
             )
+
+    def record(
+        self, lease: Lease, layer: int, start: int, count: int, nbytes: int, *, renew: bool = False
+    ) -> None:
+        """Tokens up to ``start + count`` of ``layer`` arrived (cumulative ends, in order
+        per layer, as NIXL notifies them).
+
+        ``renew``: the lease runs for its full TTL again from now (a push that keeps
+        arriving is alive; only one that stops for a TTL is given up)."""
+        self._check_range(lease, layer, start, count)
         with self._lock:
             lease.layer_tokens[layer] = max(lease.layer_tokens[layer], start + count)
+            lease.bytes_received += nbytes
+            if renew:
+                lease.expires_at = max(lease.expires_at, self._clock() + lease.ttl)
+
+    def add_span(
+        self, lease: Lease, layer: int, start: int, count: int, nbytes: int, *, renew: bool = False
+    ) -> None:
+        """Tokens ``[start, start + count)`` of ``layer`` arrived, in any order: the layer's
+        count grows by ``count`` (a push spread over several streams delivers a layer's
+        spans out of order; each span arrives once). ``renew`` as in :meth:`record`."""
+        self._check_range(lease, layer, start, count)
+        with self._lock:
+            have = lease.layer_tokens[layer]
+            lease.layer_tokens[layer] = min(lease.num_tokens, have + count)
             lease.bytes_received += nbytes
             if renew:
                 lease.expires_at = max(lease.expires_at, self._clock() + lease.ttl)

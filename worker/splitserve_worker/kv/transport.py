@@ -115,6 +115,10 @@ class ReceiverBackend(Protocol):
     def close(self) -> None: ...
 
 
+MAX_STREAMS = 8
+"""Most concurrent connections one push may use."""
+
+
 @dataclass(frozen=True)
 class BackendContext:
     """What a backend is built from, on either side."""
@@ -127,6 +131,9 @@ class BackendContext:
     leases: LeaseTable | None = None
     name_hint: str = "splitserve"
     """A stable, unique-per-process name (NIXL agent names are built from it)."""
+    streams: int = 0
+    """Concurrent connections one push uses (``grpc``); 0: chosen by the core count, up to
+    :data:`MAX_STREAMS`."""
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,7 @@ async def start_worker(config: WorkerConfig, *, loaded: Any = None) -> RunningWo
         compat=compat,
         token=config.token,
         checksums=config.checksums,
+        streams=config.kv_streams,
         faults=config.faults,
         pool=PoolView(engine.kv.pool),
         leases=LeaseTable(),

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from splitserve_worker.kv.faults import FaultConfig
+from splitserve_worker.kv.transport import MAX_STREAMS
 
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
@@ -46,6 +47,9 @@ class WorkerConfig:
     """torch CPU threads; on small machines give each worker its own share."""
     checksums: bool = False
     """Per-layer crc32 on the KV stream and at Commit (catches corruption; costs a pass)."""
+    kv_streams: int = 0
+    """Concurrent connections a ``grpc`` push uses; 0 chooses by core count (2 on 8 or
+    more, else 1)."""
     max_num_seqs: int = 64
     max_batch_tokens: int = 2048
     faults: FaultConfig = field(default_factory=FaultConfig)
@@ -69,6 +73,10 @@ class WorkerConfig:
             raise ConfigError(f"--num-blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ConfigError(f"--kv-cache-memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0 <= self.kv_streams <= MAX_STREAMS:
+            raise ConfigError(
+                f"--kv-streams must be 0 (by core count) to {MAX_STREAMS}, got {self.kv_streams}"
+            )
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         if not self.token:

@@ -151,6 +151,14 @@ class DecodeHandoff:
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"the lease of request {lease.request_id!r} expired mid-push",
                     )
+                elif not self.leases.holds(lease):
+                    # released, or dropped by another stream of the same push: its blocks
+                    # may already belong to someone else, so nothing more is written (this
+                    # loop is the only writer: nothing lands between the check and the write)
+                    raise RpcFailure(
+                        grpc.StatusCode.ABORTED,
+                        f"the reservation of request {lease.request_id!r} was dropped mid-push",
+                    )
                 self._receiver().write(lease, msg)
                 self._bytes.labels("grpc", "received").inc(len(msg.data))
                 if self.holds.directory:
@@ -162,9 +170,11 @@ class DecodeHandoff:
             raise RpcFailure(grpc.StatusCode.DATA_LOSS, str(e)) from None
         except BaseException:
             # the sender died or the call was cancelled: free the blocks now, not at expiry
+            # (unless the reservation is already gone: the request id may be reserved anew)
             if lease is not None:
                 await self._end_push(lease)
-                await asyncio.shield(self.drop(lease.request_id, "stream"))
+                if self.leases.holds(lease):
+                    await asyncio.shield(self.drop(lease.request_id, "stream"))
             raise
         if lease is None:
             return pb.PushKVAck()
