@@ -53,8 +53,10 @@ def default_streams(cores: int | None = None) -> int:
     Measured on 16 cores (``bench/kv_transfer.py --streams``): 2 streams moved 256 MiB
     about a fifth faster than 1; 4 and 8 were slower than 2, the receiving side spending
     more CPU per byte as streams contend for its interpreter. On a small host a second
-    stream only takes CPU from the engines."""
-    cores = cores if cores is not None else (os.cpu_count() or 1)
+    stream only takes CPU from the engines. Cores are those this process may run on."""
+    if cores is None:
+        affinity = getattr(os, "sched_getaffinity", None)
+        cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
     return 2 if cores >= 8 else 1
 
 
