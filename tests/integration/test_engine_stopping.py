@@ -162,6 +162,7 @@ def test_seeded_sampling_is_batch_invariant(tiny: LoadedModel) -> None:
         ([1] * 100, SamplingParams(max_tokens=100), "over this model's limit"),
         ([5], SamplingParams(top_p=2.0), "top_p"),
         ([-1], SamplingParams(), "outside the vocabulary"),
+        ([5], SamplingParams(logit_bias=((10**6, 1.0),)), "logit_bias token ids"),
     ],
 )
 def test_request_errors_leave_the_engine_serving(

@@ -47,6 +47,20 @@ def penalized(tiny_model_path: Path) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
+def bias(reference: list[list[int]]) -> dict[int, float]:
+    """Ban each prompt's first greedy token and lift one other a little: every answer
+    changes, and the lifted token wins at some steps only."""
+    out = {ref[0]: -100.0 for ref in reference}
+    out[101] = 1.0
+    return out
+
+
+@pytest.fixture(scope="module")
+def biased(tiny_model_path: Path, bias: dict[int, float]) -> list[list[int]]:
+    return generate_reference(tiny_model_path, sequence_bias={(t,): b for t, b in bias.items()})
+
+
+@pytest.fixture(scope="module")
 def nixl_workers(tiny_model_path: Path) -> Iterator[tuple[str, WorkerProcs]]:
     token = secrets.token_hex(8)
     roles = [Role.PREFILL, Role.DECODE]
@@ -135,6 +149,33 @@ def test_repetition_penalty_tokens_equal_transformers(
     with rt as base:
         for prompt, want in zip(PROMPTS, penalized, strict=True):
             assert complete(base, prompt, stream=True, repetition_penalty=PENALTY) == want
+
+
+@pytest.mark.parametrize("stack", ["disaggregated", "colocated"])
+def test_logit_bias_tokens_equal_transformers(
+    stack: str,
+    workers: tuple[str, list[WorkerEndpoint]],
+    tokenizer: Any,
+    reference: Any,
+    bias: dict[int, float],
+    biased: Any,
+) -> None:
+    """OpenAI's logit_bias against transformers' sequence_bias of single tokens: the
+    prefill worker biases the first token, the decode worker the rest."""
+    assert all(b != r for b, r in zip(biased, reference, strict=True))
+    assert any(101 in b for b in biased), "the lift never wins: pick a stronger one"
+    token, eps = workers
+    by_role = {e.role: e for e in eps}
+    if stack == "disaggregated":
+        rt = router(token, tokenizer, [by_role[Role.PREFILL], by_role[Role.DECODE]],
+                    disaggregation=ALWAYS_REMOTE)  # fmt: skip
+    else:
+        rt = router(token, tokenizer, [by_role[Role.BOTH]])
+    as_json = {str(t): b for t, b in bias.items()}
+    with rt as base:
+        for prompt, want in zip(PROMPTS, biased, strict=True):
+            assert complete(base, prompt, stream=True, logit_bias=as_json) == want
+            assert complete(base, prompt, stream=False, logit_bias=as_json) == want
 
 
 @pytest.mark.nixl

@@ -1,5 +1,5 @@
 """Sampling parameters are checked; the sampler honours penalties, greedy, top-k, top-p,
-min-p and seeds."""
+min-p, logit bias and seeds."""
 
 from __future__ import annotations
 
@@ -33,6 +33,9 @@ pytestmark = pytest.mark.unit
         (SamplingParams(repetition_penalty=math.inf), "repetition_penalty"),
         (SamplingParams(resumed_tokens=-1), "resumed_tokens"),
         (SamplingParams(top_logprobs=21), "top_logprobs"),
+        (SamplingParams(logit_bias=((-1, 1.0),)), "logit_bias"),
+        (SamplingParams(logit_bias=((4, 100.5),)), "logit_bias"),
+        (SamplingParams(logit_bias=((4, math.nan),)), "logit_bias"),
     ],
 )
 def test_bad_parameters_name_the_field(params: SamplingParams, message: str) -> None:
@@ -110,6 +113,22 @@ def test_a_penalty_can_change_the_greedy_choice_but_not_the_logprob() -> None:
     assert lps[0] == pytest.approx(float(torch.log_softmax(logits[0], -1)[2]))
     plain = sample(logits, [SampleRow(SamplingParams(), None, tokens=(1,), prompt_len=1)])
     assert plain[0] == [1]
+
+
+def test_logit_bias_moves_the_choice_before_penalties_but_not_the_logprob() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.5, 0.0]])
+    model_lp = torch.log_softmax(logits[0], -1)
+    ban = SamplingParams(logit_bias=((1, -100.0),), logprobs=True)
+    toks, lps = sample(logits, [SampleRow(ban, None)])
+    assert toks == [2] and lps[0] == pytest.approx(float(model_lp[2]))
+    lift = SamplingParams(logit_bias=((3, 3.5), (99, 50.0)))  # ids past the vocab are ignored
+    assert sample(logits, [SampleRow(lift, None)])[0] == [3]
+    # the bias comes first: a repetition penalty then shrinks the biased logit (3.5 -> 1.75)
+    both = SamplingParams(logit_bias=((3, 3.5),), repetition_penalty=2.0)
+    assert sample(logits, [SampleRow(both, None, tokens=(3,), prompt_len=1)])[0] == [1]
+    # rows without a bias in the same batch are untouched
+    mixed = sample(logits.repeat(2, 1), [SampleRow(ban, None), SampleRow(SamplingParams(), None)])
+    assert mixed[0] == [2, 1]
 
 
 def test_min_p_drops_tokens_far_below_the_most_likely() -> None:

@@ -66,7 +66,10 @@ def error_of(r: Any, status: int) -> dict[str, Any]:
         ({"prompt": "hi", "min_p": 1.5}, "min_p", "less than or equal to 1"),
         ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids", "greater than or equal"),
         ({"prompt": "hi", "messages": []}, "messages", "belongs to /v1/chat/completions"),
-        ({"prompt": "hi", "logit_bias": {"5": 1.0}}, None, "logit_bias is not supported"),
+        ({"prompt": "hi", "logit_bias": {"five": 1.0}}, "logit_bias", "must be token ids"),
+        ({"prompt": "hi", "logit_bias": {"²": 1.0}}, "logit_bias", "must be token ids"),
+        ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", "must be in [-100, 100]"),
+        ({"prompt": "hi", "logit_bias": {"9999": 1}}, "logit_bias", "outside the vocabulary"),
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, None, "only allowed"),
     ],
 )

@@ -29,6 +29,7 @@ ALL_SET = SamplingParams(
     frequency_penalty=-0.25,
     repetition_penalty=1.5,
     resumed_tokens=6,
+    logit_bias=((3, -100.0), (17, 2.5)),
 )
 
 

@@ -138,12 +138,13 @@ class Engine:
         if not prompt:
             raise RequestError("the prompt is empty: send at least one token")
         sampling.validate()
-        bad = [t for t in prompt if not 0 <= t < self.shape.vocab_size]
-        if bad:
-            raise RequestError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary "
-                f"[0, {self.shape.vocab_size})"
-            )
+        vocab = self.shape.vocab_size
+        for what, ids in (("prompt", prompt), ("logit_bias", [t for t, _ in sampling.logit_bias])):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(
+                    f"{what} token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+                )
         total = len(prompt) + sampling.max_tokens
         if total > self.max_model_len:
             raise RequestError(

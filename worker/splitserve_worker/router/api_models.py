@@ -1,8 +1,8 @@
 """OpenAI-compatible request models (pydantic), with the checks the engine relies on.
 
 Unknown fields are refused with a message naming them, so a typo never goes
-unnoticed. Sampling options the engine does not implement (logit bias, best_of)
-are accepted only at their neutral value.
+unnoticed. Sampling options the engine does not implement (best_of) are accepted
+only at their neutral value.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ MAX_TOP_LOGPROBS = 20
 """Most alternatives per position a request may ask for (``logprobs`` / ``top_logprobs``)."""
 MAX_CHOICES = 16
 """Most choices (``n``) per request: each is a request of its own on the workers."""
+MAX_LOGIT_BIAS = 100.0
+"""A logit bias is within +-this, as OpenAI's (-100 bans a token)."""
+MAX_BIASED_TOKENS = 1024
 
 
 class StreamOptions(BaseModel):
@@ -43,6 +46,8 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_BIASED_TOKENS)
+    """Token id (as a string, as OpenAI's) -> a bias added to its logit before sampling."""
     user: str | None = Field(default=None, max_length=512)
     # vLLM extensions
     ignore_eos: bool = False
@@ -64,6 +69,25 @@ class _Sampling(BaseModel):
         if any(len(s) > 256 for s in items):
             raise ValueError("stop strings must be at most 256 characters")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            digits = key.strip()
+            if not (digits.isascii() and digits.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids such as '1234', got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN fails this too
+                raise ValueError(
+                    f"logit_bias of token {key} must be in [-{MAX_LOGIT_BIAS:g}, "
+                    f"{MAX_LOGIT_BIAS:g}], got {bias}"
+                )
+        return v
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as sorted (token id, bias) pairs."""
+        merged = {int(k): float(b) for k, b in (self.logit_bias or {}).items()}
+        return tuple(sorted(merged.items()))
 
     @model_validator(mode="after")
     def _neutral(self) -> _Sampling:
@@ -97,7 +121,6 @@ class CompletionRequest(_Sampling):
     """Put the prompt's text before the completion's."""
     best_of: int | None = Field(default=None, ge=1, le=1)
     suffix: str | None = None
-    logit_bias: dict[str, float] | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -128,8 +151,6 @@ class CompletionRequest(_Sampling):
             )
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         return self
 
 
@@ -156,12 +177,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
-    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self

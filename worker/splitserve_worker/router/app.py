@@ -123,7 +123,9 @@ def create_app(service: RouterService) -> FastAPI:
         if body.min_tokens > max_tokens:
             raise APIError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
         vocab = len(service.tokenizer)
-        for param, ids in (("prompt", prompt), ("stop_token_ids", body.stop_token_ids or ())):
+        bias = body.bias_pairs()
+        for param, ids in (("prompt", prompt), ("stop_token_ids", body.stop_token_ids or ()),
+                           ("logit_bias", [t for t, _ in bias])):  # fmt: skip
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
                 raise APIError(
@@ -146,6 +148,7 @@ def create_app(service: RouterService) -> FastAPI:
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty,
             top_logprobs=body.top_count(),
+            logit_bias=bias,
         )
         return Job(
             id=("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex,

@@ -35,6 +35,7 @@ class Sampling:
     repetition_penalty: float = 1.0
     resumed_tokens: int = 0
     top_logprobs: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 class WorkerConn(Protocol):

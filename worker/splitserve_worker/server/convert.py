@@ -39,6 +39,7 @@ def sampling_to_proto(sp: Any) -> pb.SamplingParams:
         repetition_penalty=float(sp.repetition_penalty),
         resumed_tokens=int(sp.resumed_tokens),
         top_logprobs=int(sp.top_logprobs),
+        logit_bias={int(t): float(b) for t, b in sp.logit_bias},
     )
     if sp.seed is not None:
         msg.seed = int(sp.seed)
@@ -65,6 +66,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         repetition_penalty=msg.repetition_penalty or 1.0,
         resumed_tokens=msg.resumed_tokens,
         top_logprobs=msg.top_logprobs,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
     sp.validate()
     return sp
