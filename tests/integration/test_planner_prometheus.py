@@ -242,16 +242,21 @@ def test_decode_scales_up_when_tpot_breaks_the_slo_and_down_when_load_stops(
         assert not load.errors, load.errors[:3]
         assert max(ratios) > 1.0, f"scaled up without a TPOT breach: ratios {ratios}, {up}"
         assert up["reason"] in {"SLOBreach", "DemandAboveCapacity", "KVPressure", "QueueBacklog"}
-        assert any(m.startswith("decode 1 -> ") for m in _events(kube, "ScaledUp"))
+        # events are posted after the status and the scale: wait for them, not read once
+        wait_for(lambda: any(m.startswith("decode 1 -> ") for m in _events(kube, "ScaledUp")),
+                 timeout=15, message="a ScaledUp event from 1")  # fmt: skip
 
         # Load stops: the pool goes back to its minimum. (The planner may still scale up
         # once after the load ends, while its rate window holds the breach: the event
         # checked is the last step down, from whatever the peak was, to 1.)
         wait_for(lambda: _decode_target(kube_client) == 1, timeout=120, message="decode back to 1")
         assert _planner(kube_client)["reason"] == "Idle"
-        downs = [re.match(r"decode (\d+) -> (\d+):", m) for m in _events(kube, "ScaledDown")]
-        steps = [(int(d[1]), int(d[2])) for d in downs if d]
-        assert any(a >= 2 and b == 1 for a, b in steps), steps
+
+        def stepped_down_to_one() -> bool:
+            found = [re.match(r"decode (\d+) -> (\d+):", m) for m in _events(kube, "ScaledDown")]
+            return any(int(d[1]) >= 2 and int(d[2]) == 1 for d in found if d)
+
+        wait_for(stepped_down_to_one, timeout=15, message="a ScaledDown event to 1")
         assert _scaling_active(kube_client)
 
 
