@@ -102,19 +102,26 @@ def complete(base: str, prompt: list[int], stream: bool, **extra: Any) -> list[i
     return ids
 
 
+def stack_router(
+    stack: str, workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any
+) -> RouterThread:
+    """A router over the module's workers: ``disaggregated`` (prefill + decode, every
+    request moved), ``colocated`` (the ``both`` worker) or ``mixed`` (all three)."""
+    token, eps = workers
+    by_role = {e.role: e for e in eps}
+    if stack == "disaggregated":
+        return router(token, tokenizer, [by_role[Role.PREFILL], by_role[Role.DECODE]],
+                      disaggregation=ALWAYS_REMOTE)  # fmt: skip
+    if stack == "colocated":
+        return router(token, tokenizer, [by_role[Role.BOTH]])
+    return router(token, tokenizer, eps)
+
+
 @pytest.mark.parametrize("stack", ["disaggregated", "colocated", "mixed"])
 def test_greedy_tokens_equal_transformers(
     stack: str, workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any, reference: Any
 ) -> None:
-    token, eps = workers
-    by_role = {e.role: e for e in eps}
-    if stack == "disaggregated":
-        rt = router(token, tokenizer, [by_role[Role.PREFILL], by_role[Role.DECODE]],
-                    disaggregation=ALWAYS_REMOTE)  # fmt: skip
-    elif stack == "colocated":
-        rt = router(token, tokenizer, [by_role[Role.BOTH]])
-    else:
-        rt = router(token, tokenizer, eps)
+    rt = stack_router(stack, workers, tokenizer)
     with rt as base:
         for prompt, want in zip(PROMPTS, reference, strict=True):
             assert complete(base, prompt, stream=False) == want
@@ -139,13 +146,7 @@ def test_repetition_penalty_tokens_equal_transformers(
     """The prefill worker penalises the prompt for the first token, the decode worker the
     prompt and output for the rest: together, what transformers' generate does."""
     assert penalized != reference, "the penalty changes no token: pick a stronger one"
-    token, eps = workers
-    by_role = {e.role: e for e in eps}
-    if stack == "disaggregated":
-        rt = router(token, tokenizer, [by_role[Role.PREFILL], by_role[Role.DECODE]],
-                    disaggregation=ALWAYS_REMOTE)  # fmt: skip
-    else:
-        rt = router(token, tokenizer, [by_role[Role.BOTH]])
+    rt = stack_router(stack, workers, tokenizer)
     with rt as base:
         for prompt, want in zip(PROMPTS, penalized, strict=True):
             assert complete(base, prompt, stream=True, repetition_penalty=PENALTY) == want
@@ -164,13 +165,7 @@ def test_logit_bias_tokens_equal_transformers(
     prefill worker biases the first token, the decode worker the rest."""
     assert all(b != r for b, r in zip(biased, reference, strict=True))
     assert any(101 in b for b in biased), "the lift never wins: pick a stronger one"
-    token, eps = workers
-    by_role = {e.role: e for e in eps}
-    if stack == "disaggregated":
-        rt = router(token, tokenizer, [by_role[Role.PREFILL], by_role[Role.DECODE]],
-                    disaggregation=ALWAYS_REMOTE)  # fmt: skip
-    else:
-        rt = router(token, tokenizer, [by_role[Role.BOTH]])
+    rt = stack_router(stack, workers, tokenizer)
     as_json = {str(t): b for t, b in bias.items()}
     with rt as base:
         for prompt, want in zip(PROMPTS, biased, strict=True):
@@ -212,9 +207,7 @@ def _kv_bytes(text: str) -> dict[tuple[str, str], float]:
 def test_chat_and_text_prompt_through_disaggregated_stack(
     workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any
 ) -> None:
-    token, eps = workers
-    pd = [e for e in eps if e.role is not Role.BOTH]
-    with router(token, tokenizer, pd, disaggregation=ALWAYS_REMOTE) as base:
+    with stack_router("disaggregated", workers, tokenizer) as base:
         r = httpx.post(
             f"{base}/v1/chat/completions",
             json={
@@ -254,12 +247,10 @@ def test_prefix_index_follows_the_workers_block_events(
 ) -> None:
     from splitserve_worker.engine.prefix_cache import block_hashes
 
-    token, eps = workers
-    pd = [e for e in eps if e.role is not Role.BOTH]
-    prefill = next(e for e in eps if e.role is Role.PREFILL)
+    prefill = next(e for e in workers[1] if e.role is Role.PREFILL)
     prompt = [(i * 13) % 200 + 7 for i in range(70)]  # 4 full blocks of 16
     hashes = block_hashes(prompt, 16)
-    rt = router(token, tokenizer, pd, disaggregation=ALWAYS_REMOTE)
+    rt = stack_router("disaggregated", workers, tokenizer)
     with rt as base:
         assert rt.call(_match(rt, hashes)) == {}
         assert complete(base, prompt, stream=False)
