@@ -138,6 +138,52 @@ def test_tokens_across_processes_match_one_both_worker(trio: dict[str, Proc], ba
     asyncio.run(scenario())
 
 
+def test_a_push_over_two_streams_matches_and_a_killed_decode_leaves_nothing_held(
+    trio: dict[str, Proc], tiny_model_path: Path
+) -> None:
+    """``--kv-streams 2`` (the default on hosts of 8 or more cores): each layer's spans
+    arrive over two connections, out of order; the tokens are one ``both`` worker's, and
+    a decode worker killed mid-push leaves the prefill worker holding nothing."""
+    sender = spawn(tiny_model_path, "prefill", "--kv-streams", "2")
+    victim = spawn(tiny_model_path, "decode")
+
+    async def scenario() -> None:
+        p = WorkerClient(sender.address, TOKEN)
+        d, b = (WorkerClient(trio[r].address, TOKEN) for r in ("decode", "both"))
+        for n in (1000, 4000):
+            prompt = prompt_of(n)
+            ref = await collect(b.generate(f"ref2-{n}", prompt, SP))
+            handle = await d.reserve(f"two-{n}", n, kv_backend="grpc")
+            gen = asyncio.ensure_future(collect(d.generate(f"two-{n}", prompt, SP,
+                                                           expect_remote_kv=True)))  # fmt: skip
+            await p.prefill(f"two-{n}", prompt, SP, handle)
+            assert await gen == ref, n
+        v = WorkerClient(victim.address, TOKEN)
+        handle = await v.reserve("doomed-2", 4000, kv_backend="grpc")
+        victim.popen.send_signal(signal.SIGSTOP)
+        try:
+            prefill = asyncio.ensure_future(p.prefill("doomed-2", prompt_of(4000), SP, handle))
+            await asyncio.sleep(1.5)
+            assert not prefill.done()
+        finally:
+            victim.kill()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(prefill, 60)
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "push failed" in (e.value.details() or ""), e.value.details()
+        for c in (p, d):
+            h = await all_free(c, 10)
+            assert (h.free_blocks, h.leases) == (h.total_blocks, 0)
+        for c in (p, d, b, v):
+            await c.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        victim.kill()
+        sender.kill()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_killed_mid_transfer_leaves_prefill_holding_nothing(
     trio: dict[str, Proc], tiny_model_path: Path, backend: str
