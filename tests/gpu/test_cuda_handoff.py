@@ -19,7 +19,7 @@ import asyncio
 import json
 import secrets
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from splitserve_worker.server.client import WorkerClient
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from stack_kit import ALWAYS_REMOTE, router
+from worker_kit import all_free, collect, prompt_of, split_request
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,10 +60,6 @@ BUILTIN_SHAPE: dict[str, Any] = dict(
     num_key_value_heads=3,
     max_position_embeddings=8192,
 )
-
-
-def prompt_of(n: int) -> list[int]:
-    return [3 + (i * 37 + n) % 250 for i in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -117,24 +114,6 @@ def workers_bf16(model_bf16: Path) -> Iterator[tuple[WorkerProcs, list[WorkerEnd
         yield procs, procs.start(timeout_s=300)
 
 
-async def collect(stream: AsyncIterator[pb.TokenChunk]) -> list[int]:
-    out: list[int] = []
-    async for c in stream:
-        out += list(c.token_ids)
-    return out
-
-
-async def all_free(c: WorkerClient, timeout: float = 10.0) -> pb.HealthResponse:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        h = await c.health()
-        if (h.free_blocks == h.total_blocks and h.leases == 0) or (
-            asyncio.get_running_loop().time() > deadline
-        ):
-            return h
-        await asyncio.sleep(0.1)
-
-
 async def split_and_colocated(
     token: str, eps: list[WorkerEndpoint], backend: str, tag: str
 ) -> tuple[list[list[int]], list[list[int]], list[int]]:
@@ -150,12 +129,9 @@ async def split_and_colocated(
             prompt = prompt_of(n)
             colocated.append(await collect(b.generate(f"{tag}-both-{n}", prompt, sp)))
             rid = f"{tag}-split-{backend}-{n}"
-            handle = await d.reserve(rid, n, kv_backend=backend)
-            assert handle.kv_backend == backend
-            gen = asyncio.ensure_future(collect(d.generate(rid, prompt, sp, expect_remote_kv=True)))
-            resp = await p.prefill(rid, prompt, sp, handle, timeout=120)
-            split.append(await gen)
-            assert resp.first_token == split[-1][0]
+            tokens, resp = await split_request(p, d, rid, prompt, sp, backend, timeout=120)
+            split.append(tokens)
+            assert resp.first_token == tokens[0]
             sent.append(resp.bytes_sent)
             print(f"{tag} {backend} {n} tokens: {resp.bytes_sent / 1e6:.1f} MB in "
                   f"{resp.transfer_seconds * 1e3:.1f} ms, exposed "

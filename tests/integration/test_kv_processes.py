@@ -13,8 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +23,9 @@ from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.kv.nixl_common import loopback_tls
 from splitserve_worker.kv.transport import unavailable_reason
 from splitserve_worker.server.client import WorkerClient
+
+sys.path.insert(0, str(Path(__file__).parent))
+from worker_kit import all_free, collect, prompt_of, split_request
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -93,24 +95,27 @@ def trio(tiny_model_path: Path) -> Iterator[dict[str, Proc]]:
                 p.kill()
 
 
-def prompt_of(n: int) -> list[int]:
-    return [3 + (i * 37 + n) % 250 for i in range(n)]
-
-
-async def collect(stream: AsyncIterator[pb.TokenChunk]) -> list[int]:
-    out: list[int] = []
-    async for c in stream:
-        out += list(c.token_ids)
-    return out
-
-
-async def all_free(c: WorkerClient, timeout: float) -> pb.HealthResponse:
-    deadline = time.monotonic() + timeout
-    while True:
-        h = await c.health()
-        if (h.free_blocks == h.total_blocks and h.leases == 0) or time.monotonic() > deadline:
-            return h
-        await asyncio.sleep(0.1)
+async def push_to_frozen_decode(
+    p: WorkerClient, victim: Proc, rid: str, backend: str
+) -> grpc.aio.AioRpcError:
+    """A 4,000-token prefill on ``p`` whose decode worker ``victim`` is frozen once its
+    blocks are reserved (the push starts but is never acknowledged), then killed: the
+    error the prefill ends with."""
+    d = WorkerClient(victim.address, TOKEN)
+    prompt = prompt_of(4000)
+    handle = await d.reserve(rid, len(prompt), kv_backend=backend)
+    victim.popen.send_signal(signal.SIGSTOP)
+    try:
+        prefill = asyncio.ensure_future(p.prefill(rid, prompt, SP, handle))
+        await asyncio.sleep(1.5)
+        assert not prefill.done()
+    finally:
+        victim.kill()
+        await d.close()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await asyncio.wait_for(prefill, 60)
+    assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+    return e.value
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -120,12 +125,7 @@ def test_tokens_across_processes_match_one_both_worker(trio: dict[str, Proc], ba
         for n in (3, 40, 1000, 4000):
             prompt = prompt_of(n)
             ref = await collect(b.generate(f"ref-{backend}-{n}", prompt, SP))
-            rid = f"split-{backend}-{n}"
-            handle = await d.reserve(rid, n, kv_backend=backend)
-            assert handle.kv_backend == backend
-            gen = asyncio.ensure_future(collect(d.generate(rid, prompt, SP, expect_remote_kv=True)))
-            resp = await p.prefill(rid, prompt, SP, handle)
-            got = await gen
+            got, resp = await split_request(p, d, f"split-{backend}-{n}", prompt, SP, backend)
             assert len(ref) == 12
             assert got == ref, f"{backend} n={n}"
             assert resp.first_token == ref[0]
@@ -153,28 +153,14 @@ def test_a_push_over_two_streams_matches_and_a_killed_decode_leaves_nothing_held
         for n in (1000, 4000):
             prompt = prompt_of(n)
             ref = await collect(b.generate(f"ref2-{n}", prompt, SP))
-            handle = await d.reserve(f"two-{n}", n, kv_backend="grpc")
-            gen = asyncio.ensure_future(collect(d.generate(f"two-{n}", prompt, SP,
-                                                           expect_remote_kv=True)))  # fmt: skip
-            await p.prefill(f"two-{n}", prompt, SP, handle)
-            assert await gen == ref, n
-        v = WorkerClient(victim.address, TOKEN)
-        handle = await v.reserve("doomed-2", 4000, kv_backend="grpc")
-        victim.popen.send_signal(signal.SIGSTOP)
-        try:
-            prefill = asyncio.ensure_future(p.prefill("doomed-2", prompt_of(4000), SP, handle))
-            await asyncio.sleep(1.5)
-            assert not prefill.done()
-        finally:
-            victim.kill()
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            await asyncio.wait_for(prefill, 60)
-        assert e.value.code() is grpc.StatusCode.UNAVAILABLE
-        assert "push failed" in (e.value.details() or ""), e.value.details()
+            got, _ = await split_request(p, d, f"two-{n}", prompt, SP)
+            assert got == ref, n
+        err = await push_to_frozen_decode(p, victim, "doomed-2", "grpc")
+        assert "push failed" in (err.details() or ""), err.details()
         for c in (p, d):
             h = await all_free(c, 10)
             assert (h.free_blocks, h.leases) == (h.total_blocks, 0)
-        for c in (p, d, b, v):
+        for c in (p, d, b):
             await c.close()
 
     try:
@@ -192,26 +178,13 @@ def test_decode_killed_mid_transfer_leaves_prefill_holding_nothing(
 
     async def scenario() -> None:
         p = WorkerClient(trio["prefill"].address, TOKEN)
-        d = WorkerClient(victim.address, TOKEN)
-        prompt = prompt_of(4000)
-        handle = await d.reserve("doomed", len(prompt), kv_backend=backend)
-        victim.popen.send_signal(signal.SIGSTOP)  # the push starts but is never acknowledged
-        try:
-            prefill = asyncio.ensure_future(p.prefill("doomed", prompt, SP, handle))
-            await asyncio.sleep(1.5)
-            assert not prefill.done()
-        finally:
-            victim.kill()
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            await asyncio.wait_for(prefill, 60)
-        assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+        err = await push_to_frozen_decode(p, victim, "doomed", backend)
         # grpc: the stream breaks; nixl: the writes fail, or they land and Commit cannot
-        details = e.value.details() or ""
+        details = err.details() or ""
         assert "push failed" in details or (backend == "nixl" and "Commit" in details), details
         h = await all_free(p, 10)
         assert h.free_blocks == h.total_blocks
         await p.close()
-        await d.close()
 
     try:
         asyncio.run(scenario())
