@@ -159,14 +159,11 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[list[int], 
                 ids = [t for t in r.suppress if 0 <= t < logits.shape[1]]
                 logits[i, ids] = -math.inf
     model_logits = logits
-    if any(r.params.logit_bias for r in rows):
+    if any(r.params.logit_bias or r.params.penalized for r in rows):
         logits = logits.clone()
-        for i, r in enumerate(rows):
+        for i, r in enumerate(rows):  # the bias first, then penalties
             if r.params.logit_bias:
                 apply_bias(logits[i], r.params.logit_bias)
-    if any(r.params.penalized for r in rows):
-        logits = logits.clone()
-        for i, r in enumerate(rows):
             if r.params.penalized:
                 apply_penalties(logits[i], r)
     tokens: list[int] = [0] * len(rows)
