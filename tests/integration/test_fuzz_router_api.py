@@ -217,7 +217,6 @@ def test_known_edge_requests_are_refused_with_a_reason(base_url: str) -> None:
         {"prompt": "x", "max_tokens": 10**6},  # past max_model_len
         {"prompt": [5] * 300},  # prompt longer than max_model_len
         {"prompt": "x", "n": 17},  # more choices than a request may ask for
-        {"prompt": "x", "echo": True, "logprobs": 1},  # would need prompt logprobs
         {"prompt": "x", "temperature": -1},
         {"prompt": "x", "model": "other"},
         {"prompt": "x", "stream_options": {"include_usage": True}},

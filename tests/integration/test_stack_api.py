@@ -111,6 +111,51 @@ def test_echo_puts_the_prompt_before_the_completion(
             assert "".join(c["choices"][0]["text"] for c in chunks) == text
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(
+    workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any, tiny_model_path: Path
+) -> None:
+    """lm-evaluation-harness's loglikelihood requests (``local-completions``): the prompt
+    as token ids, one token generated, ``echo`` and ``logprobs: 1``; it sums
+    ``token_logprobs[ctxlen:-1]``, the continuation's logprobs given the context. Over
+    prefill + decode workers (the prompt scored on the prefill worker, handed over with
+    Commit) and over one worker, streamed or not: transformers' own logprobs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    token, eps = workers
+    by_role = {e.role: e for e in eps}
+    prompt = PROMPTS[2][:60]
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32)
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    want = ref[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+    best = ref[:-1].argmax(-1).tolist()
+    body = {"model": "tiny", "prompt": [prompt], "temperature": 0, "max_tokens": 1,
+            "logprobs": 1, "seed": 1234, "echo": True}  # fmt: skip
+    for stack, how in (([by_role[Role.PREFILL], by_role[Role.DECODE]], "remote"),
+                       ([by_role[Role.BOTH]], "local")):  # fmt: skip
+        with router(token, tokenizer, stack, disaggregation=ALWAYS_REMOTE) as base:
+            r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            lp = r.json()["choices"][0]["logprobs"]
+            r = httpx.post(f"{base}/v1/completions", json={**body, "stream": True}, timeout=120)
+            assert decisions(base) == {how: 2}
+        chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+        # the prompt's tokens and logprobs come in the first chunk, with the echo
+        assert same(chunks[0]["choices"][0]["logprobs"], lp)
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(prompt) + 1
+        assert lp["tokens"][:-1] == [tokenizer.decode([t]) for t in prompt]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1:-1] == pytest.approx(want, abs=1e-4)
+        # logprobs: 1 gives the most likely token at each position, as lm-eval checks
+        # whether the continuation is the greedy one
+        tops = lp["top_logprobs"][1:-1]
+        assert [next(iter(t)) for t in tops] == [tokenizer.decode([b]) for b in best]
+        ctxlen = 40
+        got = sum(lp["token_logprobs"][ctxlen:-1])
+        assert got == pytest.approx(sum(want[ctxlen - 1 :]), abs=1e-3)
+
+
 def test_what_vllm_bench_serve_sends(
     workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any
 ) -> None:

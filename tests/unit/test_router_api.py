@@ -52,7 +52,6 @@ def error_of(r: Any, status: int) -> dict[str, Any]:
         ({"model": "tiny"}, "prompt", "Field required"),
         ({"prompt": "hi", "n": 17}, "n", "less than or equal to 16"),
         ({"prompt": "hi", "logprobs": 21}, "logprobs", "less than or equal to 20"),
-        ({"prompt": "hi", "echo": True, "logprobs": 0}, None, "echo with logprobs"),
         ({"prompt": "hi", "temperature": 5}, "temperature", "less than or equal to 2"),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
         ({"prompt": "hi", "bogus": 1}, "bogus", "Extra inputs are not permitted"),

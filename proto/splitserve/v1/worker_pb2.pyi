@@ -19,7 +19,7 @@ ROLE_DECODE: Role
 ROLE_BOTH: Role
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "stop", "logprobs", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "resumed_tokens", "top_logprobs", "logit_bias")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "stop", "logprobs", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "resumed_tokens", "top_logprobs", "logit_bias", "prompt_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class SamplingParams(_message.Message):
     RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -61,7 +62,8 @@ class SamplingParams(_message.Message):
     resumed_tokens: int
     top_logprobs: int
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., resumed_tokens: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    prompt_logprobs: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., resumed_tokens: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")
@@ -70,6 +72,14 @@ class TopLogprobs(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("logprobs", "top_logprobs")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class CompatInfo(_message.Message):
     __slots__ = ("hash", "model", "dtype", "block_size", "num_layers", "kv_heads", "head_dim", "kv_layout")
@@ -178,7 +188,7 @@ class PushKVAck(_message.Message):
     def __init__(self, layers_received: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("request_id", "lease_id", "first_token", "first_token_logprob", "layers_sent", "layer_crc32", "first_top_logprobs")
+    __slots__ = ("request_id", "lease_id", "first_token", "first_token_logprob", "layers_sent", "layer_crc32", "first_top_logprobs", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +196,7 @@ class CommitRequest(_message.Message):
     LAYERS_SENT_FIELD_NUMBER: _ClassVar[int]
     LAYER_CRC32_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_id: str
     first_token: int
@@ -193,7 +204,8 @@ class CommitRequest(_message.Message):
     layers_sent: int
     layer_crc32: _containers.RepeatedScalarFieldContainer[int]
     first_top_logprobs: TopLogprobs
-    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., layers_sent: _Optional[int] = ..., layer_crc32: _Optional[_Iterable[int]] = ..., first_top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: PromptLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., layers_sent: _Optional[int] = ..., layer_crc32: _Optional[_Iterable[int]] = ..., first_top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("admitted",)
@@ -214,7 +226,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., expect_remote_kv: _Optional[bool] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "error", "num_prompt_tokens", "num_cached_tokens", "top_logprobs")
+    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "error", "num_prompt_tokens", "num_cached_tokens", "top_logprobs", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +235,7 @@ class TokenChunk(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -231,7 +244,8 @@ class TokenChunk(_message.Message):
     num_prompt_tokens: int
     num_cached_tokens: int
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: PromptLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "handle")

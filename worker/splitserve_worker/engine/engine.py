@@ -19,6 +19,7 @@ from splitserve_worker.engine.layerwise import LayerCallback
 from splitserve_worker.engine.metrics import EngineMetrics
 from splitserve_worker.engine.model_runner import Chunk, ModelRunner, model_shape
 from splitserve_worker.engine.prefix_cache import KVCacheEvent, block_hashes
+from splitserve_worker.engine.prompt_logprobs import PromptLogprobs
 from splitserve_worker.engine.reservations import Reservations
 from splitserve_worker.engine.sampling import (
     SampleRow,
@@ -175,6 +176,7 @@ class Engine:
             params=sampling,
             generator=sampling.make_generator(self.device),
             arrival=self._arrivals,
+            prompt_logprobs=PromptLogprobs.empty(len(prompt)) if sampling.prompt_logprobs else None,
         )
 
     def add_request(
@@ -222,6 +224,7 @@ class Engine:
                 start=s.seq.num_computed,
                 token_ids=s.seq.tokens[s.seq.num_computed : s.seq.num_computed + s.num_tokens],
                 need_logits=s.completes,
+                scores=s.seq.scores_for(s.num_tokens),
             )
             for s in plan.scheduled
         ]
@@ -235,7 +238,8 @@ class Engine:
                 )
             return out
         sampling_seqs = [s.seq for s in plan.scheduled if s.completes]
-        for s in plan.scheduled:
+        for s, c in zip(plan.scheduled, chunks, strict=True):
+            s.seq.record_scores(c.start, c.scores)
             self.scheduler.commit(s.seq, s.num_tokens, cache=self.config.enable_prefix_cache)
         if not sampling_seqs:
             return []
@@ -262,6 +266,8 @@ class Engine:
             out = self._output(seq, [token], [logprob], finished=False)
         if seq.params.top_logprobs:
             out.new_top_logprobs = [top]
+        if seq.num_output == 1:
+            out.prompt_logprobs = seq.prompt_logprobs
         return out
 
     def _output(

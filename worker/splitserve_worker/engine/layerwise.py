@@ -39,7 +39,7 @@ def prefill_export(
     bs = engine.block_size
     hit: list[int] = []
     blocks = engine.kv.blocks
-    if engine.config.enable_prefix_cache:
+    if engine.config.enable_prefix_cache and not sampling.prompt_logprobs:
         hit = blocks.lookup(seq.full_block_hashes(bs)[: (len(prompt) - 1) // bs])
     need = blocks_for(len(prompt), bs) - len(hit)
     reclaimed = sum(1 for b in hit if blocks.refcount(b) == 0)
@@ -68,7 +68,8 @@ def prefill_export(
         engine.scheduler.free_blocks_of(seq)
         seq.status = SeqStatus.FINISHED
         engine._update_gauges()
-    return PrefillResult(tokens[0], logprobs[0], seq.num_cached_tokens, len(prompt), tops[0])
+    return PrefillResult(tokens[0], logprobs[0], seq.num_cached_tokens, len(prompt), tops[0],
+                         seq.prompt_logprobs)  # fmt: skip
 
 
 def export_forward(engine: Engine, seq: Sequence, on_layer: LayerCallback) -> torch.Tensor:
@@ -87,8 +88,10 @@ def export_forward(engine: Engine, seq: Sequence, on_layer: LayerCallback) -> to
             k, v = engine.kv.read(layer, slots)
             on_layer(layer, k, v, lo)
 
-        chunk = Chunk(seq.block_table, start, seq.tokens[start:end], need_logits=end == total)
+        chunk = Chunk(seq.block_table, start, seq.tokens[start:end], need_logits=end == total,
+                      scores=seq.scores_for(end - start))  # fmt: skip
         logits = engine.runner.forward([chunk], after_layer=hand_over)
+        seq.record_scores(start, chunk.scores)
         engine.scheduler.commit(seq, end - start, cache=engine.config.enable_prefix_cache)
         if engine.metrics is not None:
             engine.metrics.prefilled(end - start)

@@ -27,6 +27,7 @@ from splitserve_worker.engine.linear import (
     packed_head,
     prepack_available,
 )
+from splitserve_worker.engine.prompt_logprobs import ChunkScores, score_rows
 
 PACK_HINT = 16
 """Rows oneDNN lays prepacked weights out for: a typical decode batch."""
@@ -45,6 +46,8 @@ class Chunk:
     """Tokens of this sequence whose KV is already in the pool (the first new position)."""
     token_ids: Sequence[int]
     need_logits: bool
+    scores: ChunkScores | None = None
+    """Prompt rows to score (prompt logprobs); the forward fills it in."""
 
 
 @dataclass
@@ -118,7 +121,8 @@ class ModelRunner:
         self, chunks: Sequence[Chunk], after_layer: Callable[[int], None] | None = None
     ) -> torch.Tensor:
         """Run the new tokens of ``chunks``; return logits ``[n_need, vocab]`` (float32) for
-        the last token of each chunk with ``need_logits``, in chunk order.
+        the last token of each chunk with ``need_logits``, in chunk order. A chunk with
+        ``scores`` gets its prompt rows scored into it.
 
         ``after_layer(i)`` is called once layer ``i``'s K/V are in the pool, before layer
         ``i + 1`` runs.
@@ -146,6 +150,8 @@ class ModelRunner:
             h = h + mm.mlp(layer.post_attention_layernorm(h))
             if after_layer is not None:
                 after_layer(i)
+        for lo, want in plan.scored:
+            score_rows(self.norm(h[lo : lo + len(want.targets)]), self.head, want)
         if plan.logit_rows.numel() == 0:
             return torch.empty((0, self.shape.vocab_size), device=self.device)
         last = self.norm(h.index_select(0, plan.logit_rows))
@@ -283,6 +289,8 @@ class _Plan:
     logit_rows: torch.Tensor
     decode: _Decode | None
     prefills: list[_Prefill]
+    scored: list[tuple[int, ChunkScores]]
+    """(first row, what to score) of each chunk that asked for prompt scores."""
 
     @staticmethod
     def build(chunks: Sequence[Chunk], bs: int, device: torch.device) -> _Plan:
@@ -293,6 +301,7 @@ class _Plan:
         decode_rows: list[int] = []
         decode_chunks: list[Chunk] = []
         prefills: list[_Prefill] = []
+        scored: list[tuple[int, ChunkScores]] = []
         for c in chunks:
             lo = len(ids)
             n = len(c.token_ids)
@@ -303,6 +312,8 @@ class _Plan:
             slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, end))
             if c.need_logits:
                 logit_rows.append(lo + n - 1)
+            if c.scores is not None and c.scores.targets:
+                scored.append((lo, c.scores))
             if n == 1:
                 decode_rows.append(lo)
                 decode_chunks.append(c)
@@ -335,6 +346,7 @@ class _Plan:
             logit_rows=tensor(logit_rows),
             decode=decode,
             prefills=prefills,
+            scored=scored,
         )
 
 

@@ -56,6 +56,7 @@ def admit_prefilled(
         engine._update_gauges()
         raise
     seq = engine._new_seq(request_id, prompt, sampling)
+    seq.prompt_logprobs = None  # the prefill side scored the prompt
     if seq.generator is not None:
         # the prefill side drew the first token from the same seed: skip that draw
         noise = torch.empty(engine.shape.vocab_size, device=engine.device)

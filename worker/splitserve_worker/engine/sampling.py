@@ -64,6 +64,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs added to those tokens' logits before penalties and sampling;
     logprobs stay the model's own."""
+    prompt_logprobs: bool = False
+    """Also score the prompt: each prompt token's logprob given the ones before it (with
+    ``top_logprobs`` alternatives), returned with the first token. Such a request does
+    not reuse cached prefix blocks: their positions would have no logits."""
 
     @property
     def greedy(self) -> bool:

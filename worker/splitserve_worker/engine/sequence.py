@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve_worker.engine.prefix_cache import ROOT_HASH, block_hashes
+from splitserve_worker.engine.prompt_logprobs import ChunkScores, PromptLogprobs, chunk_targets
 from splitserve_worker.engine.sampling import SamplingParams, TopLogprobs
 
 
@@ -40,6 +41,8 @@ class RequestOutput:
     """The stop token id or stop string that ended the request, if any."""
     new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     """One list per new token when the request asked for top logprobs, else empty."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """With the first token, when the request asked for prompt logprobs."""
 
 
 @dataclass
@@ -51,6 +54,7 @@ class PrefillResult:
     num_cached_tokens: int
     num_prompt_tokens: int
     first_top_logprobs: TopLogprobs = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -76,8 +80,8 @@ class Sequence:
     hashes: list[int] = field(default_factory=list)
     num_registered: int = 0
     """Leading blocks of ``block_table`` already offered to the prefix cache."""
-    pending_tokens: list[int] = field(default_factory=list)
-    pending_logprobs: list[float | None] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
+    """Scores of the prompt's tokens, filled as its chunks run (when asked for)."""
 
     @property
     def num_output(self) -> int:
@@ -91,6 +95,19 @@ class Sequence:
     def remaining(self) -> int:
         """Tokens still to compute before the next one can be sampled."""
         return len(self.tokens) - self.num_computed
+
+    def scores_for(self, num_tokens: int) -> ChunkScores | None:
+        """What to score in the next ``num_tokens`` computed: the prompt rows whose next
+        token is a prompt token, until the first token has gone out."""
+        if self.prompt_logprobs is None or self.num_output:
+            return None
+        start = self.num_computed
+        targets = chunk_targets(self.tokens, self.prompt_len, start, start + num_tokens)
+        return ChunkScores(targets, self.params.top_logprobs) if targets else None
+
+    def record_scores(self, start: int, scores: ChunkScores | None) -> None:
+        if scores is not None and self.prompt_logprobs is not None:
+            self.prompt_logprobs.record(start, scores)
 
     def full_block_hashes(self, block_size: int) -> list[int]:
         """Hashes of every full block of ``tokens``, extended incrementally."""

@@ -15,6 +15,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from splitserve.v1.worker_pb2 import PromptLogprobs
 
 
 class LeaseError(Exception):
@@ -43,6 +47,8 @@ class Lease:
     first_token: int = -1
     first_logprob: float = 0.0
     first_top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
+    """The Commit's prompt scores, for the first chunk of the stream."""
 
     def __post_init__(self) -> None:
         if not self.layer_tokens:
@@ -172,12 +178,14 @@ class LeaseTable:
         first_token: int,
         first_logprob: float,
         first_top_logprobs: list[tuple[int, float]] | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
     ) -> None:
         with self._lock:
             lease.state = State.COMMITTED
             lease.first_token = first_token
             lease.first_logprob = first_logprob
             lease.first_top_logprobs = list(first_top_logprobs or ())
+            lease.prompt_logprobs = prompt_logprobs
 
     def attach(self, lease: Lease) -> None:
         with self._lock:

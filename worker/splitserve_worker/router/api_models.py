@@ -118,7 +118,8 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     """The chosen token's logprob and this many of the most likely ones at each position."""
     echo: bool = False
-    """Put the prompt's text before the completion's."""
+    """Put the prompt's text before the completion's (with ``logprobs``: the prompt's
+    tokens and their logprobs before the completion's)."""
     best_of: int | None = Field(default=None, ge=1, le=1)
     suffix: str | None = None
 
@@ -145,10 +146,6 @@ class CompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError(
-                "echo with logprobs is not supported (prompt logprobs are not computed)"
-            )
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import secrets
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,7 +23,7 @@ from splitserve_worker.metrics.names import (
     TPOT,
     TTFT,
 )
-from splitserve_worker.router import errors
+from splitserve_worker.router import errors, jobs
 from splitserve_worker.router.api_models import ChatCompletionRequest, CompletionRequest
 from splitserve_worker.router.dispatch import GenRequest, TokenEvent
 from splitserve_worker.router.errors import APIError
@@ -36,14 +35,13 @@ from splitserve_worker.router.responses import (
     choices_of,
     chunk,
     envelope,
+    final_choice,
     role_choice,
     sse,
     usage,
 )
 from splitserve_worker.router.scoring import DECODE_ROLES
 from splitserve_worker.router.service import RouterService
-from splitserve_worker.router.text import Detokenizer
-from splitserve_worker.router.worker_client import Sampling
 
 
 def _auth(service: RouterService) -> Callable[[Request], Awaitable[None]]:
@@ -86,83 +84,10 @@ def create_app(service: RouterService) -> FastAPI:
 
     # ---- helpers ----
 
-    def check_model(name: str) -> str:
-        if name and name != cfg.model_name:
-            raise APIError(
-                404,
-                f"model {name!r} is not served here; this server serves {cfg.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
-        return cfg.model_name
-
     def make_job(
         kind: str, body: CompletionRequest | ChatCompletionRequest, prompt: list[int]
     ) -> Job:
-        if not prompt:
-            raise APIError(400, "the prompt is empty after tokenization", param="prompt")
-        limit = body.token_limit() if isinstance(body, ChatCompletionRequest) else body.max_tokens
-        room = cfg.max_model_len - len(prompt)
-        if room < 1:
-            raise APIError(
-                400,
-                f"the prompt has {len(prompt)} tokens; this server accepts at most "
-                f"{cfg.max_model_len - 1} (max_model_len {cfg.max_model_len})",
-                param="prompt",
-                code="context_length_exceeded",
-            )
-        max_tokens = limit if limit is not None else min(cfg.default_max_tokens, room)
-        if max_tokens > room:
-            raise APIError(
-                400,
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds "
-                f"max_model_len {cfg.max_model_len}",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        if body.min_tokens > max_tokens:
-            raise APIError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
-        vocab = len(service.tokenizer)
-        bias = body.bias_pairs()
-        for param, ids in (("prompt", prompt), ("stop_token_ids", body.stop_token_ids or ()),
-                           ("logit_bias", [t for t, _ in bias])):  # fmt: skip
-            bad = next((t for t in ids if t >= vocab), None)
-            if bad is not None:
-                raise APIError(
-                    400, f"token id {bad} is outside the vocabulary (size {vocab})", param=param
-                )
-        want_lp = bool(body.logprobs) if kind == "chat.completion" else body.logprobs is not None
-        sampling = Sampling(
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=max(0, body.top_k),
-            seed=body.seed,
-            max_tokens=max_tokens,
-            min_tokens=body.min_tokens,
-            ignore_eos=body.ignore_eos,
-            stop_token_ids=tuple(body.stop_token_ids or ()),
-            stop=body.stop_strings(),
-            logprobs=want_lp,
-            min_p=body.min_p,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty,
-            top_logprobs=body.top_count(),
-            logit_bias=bias,
-        )
-        return Job(
-            id=("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex,
-            kind=kind,
-            model=check_model(body.model),
-            prompt=tuple(prompt),
-            sampling=sampling,
-            detok=Detokenizer(service.tokenizer, body.stop_strings()),
-            want_logprobs=want_lp,
-            return_token_ids=body.return_token_ids,
-            stream=body.stream,
-            include_usage=body.include_usage(),
-            continuous_usage=body.continuous_usage(),
-        )
+        return jobs.make_job(kind, body, prompt, cfg, service.tokenizer)
 
     async def events(job: Job) -> AsyncGenerator[tuple[str, TokenEvent], None]:
         """(text delta, event) pairs; records metrics; always ends the worker side."""
@@ -181,6 +106,8 @@ def create_app(service: RouterService) -> FastAPI:
                 job.tokens.extend(ev.token_ids)
                 job.logprobs.extend(ev.logprobs)
                 job.top_logprobs.extend(ev.top_logprobs)
+                if ev.prompt_logprobs is not None:
+                    job.prompt_scores = ev.prompt_logprobs
                 gen_tokens.inc(len(ev.token_ids))
                 if job.detok.stopped:
                     job.finish_reason = "stop"
@@ -237,10 +164,7 @@ def create_app(service: RouterService) -> FastAPI:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        choices = [
-            choice(j, j.echo + j.detok.text, j.tokens, j.logprobs, True, j.top_logprobs)
-            for j in jobs
-        ]
+        choices = [final_choice(j) for j in jobs]
         body = envelope(jobs[0], choices)
         body["usage"] = usage(jobs)
         return body
@@ -287,9 +211,11 @@ def create_app(service: RouterService) -> FastAPI:
                     if not (text or final or job.return_token_ids or job.want_logprobs):
                         continue
                     text, job.echo = job.echo + text, ""
+                    # the prompt's logprobs go with the echo, in the first chunk
+                    scores, job.prompt_scores = job.prompt_scores, None
                     ids, lps = list(ev.token_ids), list(ev.logprobs)
                     tops = list(ev.top_logprobs)
-                    yield sse(chunk(jobs, [choice(job, text, ids, lps, final, tops)]))
+                    yield sse(chunk(jobs, [choice(job, text, ids, lps, final, tops, scores)]))
             if jobs[0].include_usage:
                 body = envelope(jobs[0], [])
                 body["usage"] = usage(jobs)

@@ -53,7 +53,7 @@ from splitserve_worker.router.planner import NoWorker, Plan, RoutePlanner
 from splitserve_worker.router.pool import WorkerPool
 from splitserve_worker.router.queues import Admission, Stage
 from splitserve_worker.router.scoring import DECODE_ROLES, PREFILL_ROLES
-from splitserve_worker.router.worker_client import Sampling, WorkerConn
+from splitserve_worker.router.worker_client import PromptScores, Sampling, WorkerConn
 from splitserve_worker.server.convert import top_from_proto
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,8 @@ class TokenEvent:
     num_cached_tokens: int = 0
     top_logprobs: tuple[list[tuple[int, float]], ...] = ()
     """Per token, when asked for: the most likely tokens there, with their logprobs."""
+    prompt_logprobs: PromptScores | None = None
+    """With the first token, when asked for."""
 
 
 MAX_REPLANS = 8
@@ -144,6 +146,8 @@ class Dispatcher:
                     max_tokens=req.sampling.max_tokens - len(produced),
                     min_tokens=max(0, req.sampling.min_tokens - len(produced)),
                     resumed_tokens=len(produced),
+                    # scored once, with the first token: a resumed attempt does not again
+                    prompt_logprobs=req.sampling.prompt_logprobs and not produced,
                 )
                 hashes, excluded = self.hasher(prompt), frozenset(failed)
                 plan = await self._plan(prompt, hashes, excluded)
@@ -279,9 +283,9 @@ class Dispatcher:
                 if fr is not None:
                     finished = True
                 tops = tuple(top_from_proto(t) for t in item.top_logprobs)
-                yield TokenEvent(
-                    tuple(item.token_ids), tuple(item.logprobs), fr, item.num_cached_tokens, tops
-                )
+                scores = PromptScores.from_chunk(item)
+                yield TokenEvent(tuple(item.token_ids), tuple(item.logprobs), fr,
+                                 item.num_cached_tokens, tops, scores)  # fmt: skip
                 if finished:
                     return
         finally:

@@ -15,7 +15,7 @@ from typing import Any
 from splitserve_worker.router.api_models import MAX_SEED
 from splitserve_worker.router.queues import Admission
 from splitserve_worker.router.text import Detokenizer
-from splitserve_worker.router.worker_client import Sampling
+from splitserve_worker.router.worker_client import PromptScores, Sampling
 
 Top = Sequence[tuple[int, float]]
 """The most likely tokens at one position, with their logprobs, best first."""
@@ -48,6 +48,8 @@ class Job:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[Top] = field(default_factory=list)
+    prompt_scores: PromptScores | None = None
+    """The prompt's logprobs (``echo`` with ``logprobs``), once the first token came."""
     first_at: float | None = None
     finish_reason: str | None = None
     admission: Admission | None = None
@@ -66,7 +68,7 @@ def choices_of(job: Job, n: int) -> list[Job]:
     def fresh(i: int) -> Job:
         detok = Detokenizer(job.detok.tokenizer, job.detok.stop)
         return replace(job, index=i, sampling=sampling(i), detok=detok, tokens=[], logprobs=[],
-                       top_logprobs=[])  # fmt: skip
+                       top_logprobs=[], prompt_scores=None)  # fmt: skip
 
     return [job] + [fresh(i) for i in range(1, n)]
 
@@ -82,28 +84,40 @@ def usage(jobs: Sequence[Job]) -> dict[str, int]:
     }
 
 
-def logprobs_of(job: Job, ids: list[int], lps: list[float], tops: Sequence[Top]) -> Any:
+def logprobs_of(
+    job: Job,
+    ids: list[int],
+    lps: Sequence[float | None],
+    tops: Sequence[Top | None],
+    prompt: PromptScores | None = None,
+) -> Any:
     if not job.want_logprobs:
         return None
+    if prompt is not None:  # echo: the prompt's tokens first; the first has no logprob
+        ids = [*job.prompt, *ids]
+        lps = [None, *prompt.logprobs, *lps]
+        if tops:
+            tops = [None, *prompt.top_logprobs, *tops]
     decode = job.detok.tokenizer.decode
     toks = [decode([t]) for t in ids]
     # one entry per token: decoded alternatives where asked for, none otherwise
-    alts = [[(decode([t]), lp) for t, lp in top] for top in tops] or [[] for _ in ids]
+    alts = [None if top is None else [(decode([t]), lp) for t, lp in top] for top in tops]
+    alts = alts or [[] for _ in ids]
     if job.kind == "chat.completion":
 
-        def entry(s: str, lp: float) -> dict[str, Any]:
+        def entry(s: str, lp: float | None) -> dict[str, Any]:
             return {"token": s, "logprob": lp, "bytes": list(s.encode())}
 
         return {
             "content": [
-                {**entry(s, lp), "top_logprobs": [entry(a, alp) for a, alp in alt]}
+                {**entry(s, lp), "top_logprobs": [entry(a, alp) for a, alp in alt or ()]}
                 for s, lp, alt in zip(toks, lps, alts, strict=False)
             ]
         }
     return {
         "tokens": toks,
         "token_logprobs": list(lps),
-        "top_logprobs": [dict(alt) for alt in alts] if tops else None,
+        "top_logprobs": [None if alt is None else dict(alt) for alt in alts] if tops else None,
         "text_offset": [],
     }
 
@@ -115,7 +129,9 @@ def choice(
     lps: list[float],
     final: bool,
     tops: Sequence[Top] = (),
+    prompt: PromptScores | None = None,
 ) -> Any:
+    """One choice of a response or chunk; ``prompt``: the prompt's logprobs go first."""
     c: dict[str, Any] = {"index": job.index}
     if job.kind == "chat.completion" and job.stream:
         c["delta"] = {"content": text} if text else {}
@@ -123,11 +139,17 @@ def choice(
         c["message"] = {"role": "assistant", "content": text}
     else:
         c["text"] = text
-    c["logprobs"] = logprobs_of(job, ids, lps, tops)
+    c["logprobs"] = logprobs_of(job, ids, lps, tops, prompt)
     c["finish_reason"] = job.finish_reason if final else None
     if job.return_token_ids:
         c["token_ids"] = ids
     return c
+
+
+def final_choice(job: Job) -> Any:
+    """The whole of one choice, once it has ended (a response that is not streamed)."""
+    text = job.echo + job.detok.text
+    return choice(job, text, job.tokens, job.logprobs, True, job.top_logprobs, job.prompt_scores)
 
 
 def envelope(job: Job, choices: list[Any]) -> dict[str, Any]:

@@ -36,6 +36,25 @@ class Sampling:
     resumed_tokens: int = 0
     top_logprobs: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """Prompt logprobs as a worker returns them with the first token: for each prompt
+    token after the first, its logprob given the ones before it and, when asked for, the
+    most likely tokens at its position (best first)."""
+
+    logprobs: tuple[float, ...]
+    top_logprobs: tuple[list[tuple[int, float]], ...] = ()
+
+    @classmethod
+    def from_chunk(cls, chunk: pb.TokenChunk) -> PromptScores | None:
+        if not chunk.HasField("prompt_logprobs"):
+            return None
+        p = chunk.prompt_logprobs
+        tops = tuple(list(zip(t.token_ids, t.logprobs, strict=True)) for t in p.top_logprobs)
+        return cls(tuple(p.logprobs), tops)
 
 
 class WorkerConn(Protocol):

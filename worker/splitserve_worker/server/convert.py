@@ -15,6 +15,7 @@ from splitserve_worker.kv.compat import Compat
 from splitserve_worker.kv.transport import TransferTarget
 
 if TYPE_CHECKING:
+    from splitserve_worker.engine.prompt_logprobs import PromptLogprobs
     from splitserve_worker.engine.sampling import SamplingParams
     from splitserve_worker.engine.sequence import RequestOutput
 
@@ -40,6 +41,7 @@ def sampling_to_proto(sp: Any) -> pb.SamplingParams:
         resumed_tokens=int(sp.resumed_tokens),
         top_logprobs=int(sp.top_logprobs),
         logit_bias={int(t): float(b) for t, b in sp.logit_bias},
+        prompt_logprobs=bool(sp.prompt_logprobs),
     )
     if sp.seed is not None:
         msg.seed = int(sp.seed)
@@ -67,6 +69,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         resumed_tokens=msg.resumed_tokens,
         top_logprobs=msg.top_logprobs,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
+        prompt_logprobs=msg.prompt_logprobs,
     )
     sp.validate()
     return sp
@@ -119,8 +122,13 @@ def top_from_proto(msg: pb.TopLogprobs) -> list[tuple[int, float]]:
     return list(zip(msg.token_ids, msg.logprobs, strict=True))
 
 
+def prompt_logprobs_to_proto(p: PromptLogprobs) -> pb.PromptLogprobs:
+    tops = [top_to_proto(t) for t in p.tops] if any(p.tops) else []
+    return pb.PromptLogprobs(logprobs=p.logprobs, top_logprobs=tops)
+
+
 def chunk_from_output(out: RequestOutput) -> pb.TokenChunk:
-    return pb.TokenChunk(
+    chunk = pb.TokenChunk(
         request_id=out.request_id,
         token_ids=list(out.new_token_ids),
         logprobs=[float(x) if x is not None else 0.0 for x in out.new_logprobs],
@@ -130,3 +138,6 @@ def chunk_from_output(out: RequestOutput) -> pb.TokenChunk:
         num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens,
     )
+    if out.prompt_logprobs is not None:
+        chunk.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(out.prompt_logprobs))
+    return chunk

@@ -246,7 +246,8 @@ class DecodeHandoff:
         # gRPC counts its bytes as they arrive; the others once, at their first Commit
         counted = lease.backend == "grpc" or lease.state is not State.RESERVED
         first_top = top_from_proto(req.first_top_logprobs)
-        self.leases.commit(lease, req.first_token, first_logprob, first_top)
+        prompt = req.prompt_logprobs if req.HasField("prompt_logprobs") else None
+        self.leases.commit(lease, req.first_token, first_logprob, first_top, prompt)
         if not counted:
             self._bytes.labels(lease.backend, "received").inc(lease.bytes_received)
         lease.expires_at = max(lease.expires_at, time.monotonic() + self.lease_seconds)

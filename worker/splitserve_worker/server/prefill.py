@@ -30,7 +30,12 @@ from splitserve_worker.kv.transport import (
 )
 from splitserve_worker.metrics import names
 from splitserve_worker.metrics.registry import Metrics
-from splitserve_worker.server.convert import compat_from_proto, target_from_handle, top_to_proto
+from splitserve_worker.server.convert import (
+    compat_from_proto,
+    prompt_logprobs_to_proto,
+    target_from_handle,
+    top_to_proto,
+)
 from splitserve_worker.server.errors import RpcFailure
 from splitserve_worker.server.wire import CHANNEL_OPTIONS, auth_metadata
 
@@ -167,6 +172,8 @@ class PrefillRunner:
             layer_crc32=stats.layer_crc32,
             first_top_logprobs=top_to_proto(result.first_top_logprobs),
         )
+        if result.prompt_logprobs is not None:
+            commit.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(result.prompt_logprobs))
         try:
             await self._stub(handle.decode_address).Commit(
                 commit, metadata=auth_metadata(self.ctx.token), timeout=COMMIT_TIMEOUT_S

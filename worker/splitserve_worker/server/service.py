@@ -166,6 +166,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     first.logprobs.append(lease.first_logprob)
                 if sampling.top_logprobs:
                     first.top_logprobs.append(top_to_proto(lease.first_top_logprobs))
+                if lease.prompt_logprobs is not None:
+                    first.prompt_logprobs.CopyFrom(lease.prompt_logprobs)
             else:
                 if self.role == "prefill":
                     raise RpcFailure(
