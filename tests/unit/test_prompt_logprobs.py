@@ -95,7 +95,13 @@ def test_echo_puts_the_prompts_logprobs_first_the_first_token_without_one() -> N
     assert lp["tokens"] == ["<1>", "<2>", "<3>", "<7>"]
     assert lp["token_logprobs"] == [None, -1.0, -2.0, -0.75]
     assert lp["top_logprobs"] == [None, {"<2>": -1.0}, {"<5>": -0.5}, {"<7>": -0.75}]
+    assert lp["text_offset"] == [0, 3, 6, 9]
     lp = logprobs_of(_job(0), [7], [-0.75], [], PromptScores((-1.0, -2.0)))
     assert lp["token_logprobs"] == [None, -1.0, -2.0, -0.75] and lp["top_logprobs"] is None
-    # no prompt scores (a later chunk of a stream): the completion's tokens only
-    assert logprobs_of(_job(0), [7], [-0.75], [])["tokens"] == ["<7>"]
+    # a stream: the prompt's logprobs come with the first piece only, and text_offset
+    # runs on across the pieces
+    job = _job(0)
+    first = logprobs_of(job, [7], [-0.75], [], PromptScores((-1.0, -2.0)))
+    later = logprobs_of(job, [12, 8], [-0.5, -0.25], [])
+    assert first["text_offset"] == [0, 3, 6, 9]
+    assert later["tokens"] == ["<12>", "<8>"] and later["text_offset"] == [12, 16]

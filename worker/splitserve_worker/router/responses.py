@@ -1,7 +1,8 @@
 """The OpenAI response bodies of one request: choices, envelopes, usage and SSE lines.
 
-Pure functions of a :class:`Job` (what the request asked and has produced so far); the
-HTTP layer in :mod:`.app` decides when to send which.
+Functions of a :class:`Job` (what the request asked and has produced so far; only its
+``text_offset`` moves as pieces are built); the HTTP layer in :mod:`.app` decides when
+to send which.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class Job:
     top_logprobs: list[Top] = field(default_factory=list)
     prompt_scores: PromptScores | None = None
     """The prompt's logprobs (``echo`` with ``logprobs``), once the first token came."""
+    text_offset: int = 0
+    """Where the next token's text starts in the choice's text (completions' logprobs
+    ``text_offset``: the lengths of the token strings returned so far)."""
     first_at: float | None = None
     finish_reason: str | None = None
     admission: Admission | None = None
@@ -68,7 +72,7 @@ def choices_of(job: Job, n: int) -> list[Job]:
     def fresh(i: int) -> Job:
         detok = Detokenizer(job.detok.tokenizer, job.detok.stop)
         return replace(job, index=i, sampling=sampling(i), detok=detok, tokens=[], logprobs=[],
-                       top_logprobs=[], prompt_scores=None)  # fmt: skip
+                       top_logprobs=[], prompt_scores=None, text_offset=0)  # fmt: skip
 
     return [job] + [fresh(i) for i in range(1, n)]
 
@@ -91,6 +95,8 @@ def logprobs_of(
     tops: Sequence[Top | None],
     prompt: PromptScores | None = None,
 ) -> Any:
+    """The ``logprobs`` of a choice or a piece of one (None unless asked for); a
+    completion's advances ``job.text_offset``, so a stream's pieces count on."""
     if not job.want_logprobs:
         return None
     if prompt is not None:  # echo: the prompt's tokens first; the first has no logprob
@@ -114,11 +120,15 @@ def logprobs_of(
                 for s, lp, alt in zip(toks, lps, alts, strict=False)
             ]
         }
+    offsets = []
+    for tok in toks:  # runs on across the pieces of a stream
+        offsets.append(job.text_offset)
+        job.text_offset += len(tok)
     return {
         "tokens": toks,
         "token_logprobs": list(lps),
         "top_logprobs": [None if alt is None else dict(alt) for alt in alts] if tops else None,
-        "text_offset": [],
+        "text_offset": offsets,
     }
 
 
