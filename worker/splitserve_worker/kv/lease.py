@@ -147,12 +147,7 @@ class LeaseTable:
 
         ``renew``: the lease runs for its full TTL again from now (a push that keeps
         arriving is alive; only one that stops for a TTL is given up)."""
-        self._check_range(lease, layer, start, count)
-        with self._lock:
-            lease.layer_tokens[layer] = max(lease.layer_tokens[layer], start + count)
-            lease.bytes_received += nbytes
-            if renew:
-                lease.expires_at = max(lease.expires_at, self._clock() + lease.ttl)
+        self._arrived(lease, layer, start, count, nbytes, renew, cumulative=True)
 
     def add_span(
         self, lease: Lease, layer: int, start: int, count: int, nbytes: int, *, renew: bool = False
@@ -160,10 +155,26 @@ class LeaseTable:
         """Tokens ``[start, start + count)`` of ``layer`` arrived, in any order: the layer's
         count grows by ``count`` (a push spread over several streams delivers a layer's
         spans out of order; each span arrives once). ``renew`` as in :meth:`record`."""
+        self._arrived(lease, layer, start, count, nbytes, renew, cumulative=False)
+
+    def _arrived(
+        self,
+        lease: Lease,
+        layer: int,
+        start: int,
+        count: int,
+        nbytes: int,
+        renew: bool,
+        *,
+        cumulative: bool,
+    ) -> None:
         self._check_range(lease, layer, start, count)
         with self._lock:
             have = lease.layer_tokens[layer]
-            lease.layer_tokens[layer] = min(lease.num_tokens, have + count)
+            if cumulative:
+                lease.layer_tokens[layer] = max(have, start + count)
+            else:
+                lease.layer_tokens[layer] = min(lease.num_tokens, have + count)
             lease.bytes_received += nbytes
             if renew:
                 lease.expires_at = max(lease.expires_at, self._clock() + lease.ttl)
