@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 
 PROMPT = [random.Random(11).randrange(3, 256) for _ in range(45)]
 SP = SamplingParams(max_tokens=3, ignore_eos=True, logprobs=True, top_logprobs=2,
-                    prompt_logprobs=True)  # fmt: skip
+                    prompt_logprobs=2)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +56,7 @@ def _assert_matches(got: PromptLogprobs, ref: torch.Tensor) -> None:
     want = ref.gather(1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
     assert got.complete and len(got.logprobs) == len(PROMPT) - 1
     assert got.logprobs == pytest.approx(want.tolist(), abs=1e-4)
+    assert got.ranks == ((ref > want[:, None]).sum(dim=1) + 1).tolist()
     values, ids = torch.topk(ref, 2, dim=-1)
     assert [[t for t, _ in top] for top in got.tops] == ids.tolist()
     for top, vals in zip(got.tops, values.tolist(), strict=True):

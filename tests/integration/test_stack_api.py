@@ -156,6 +156,54 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(
         assert got == pytest.approx(sum(want[ctxlen - 1 :]), abs=1e-3)
 
 
+def test_vllm_prompt_logprobs_on_both_endpoints(
+    workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any, tiny_model_path: Path
+) -> None:
+    """vLLM's ``prompt_logprobs``: per prompt token after the first, its own logprob and
+    rank and the most likely tokens there; the same over prefill + decode workers and
+    over one worker, equal to transformers' own on a completion."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    token, eps = workers
+    by_role = {e.role: e for e in eps}
+    prompt = PROMPTS[1]
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32)
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    text = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3}
+    chat = {"messages": [{"role": "user", "content": "name a colour"}], "max_tokens": 2,
+            "temperature": 0, "prompt_logprobs": 0}  # fmt: skip
+    answers: list[Any] = []
+    for stack, how in (([by_role[Role.PREFILL], by_role[Role.DECODE]], "remote"),
+                       ([by_role[Role.BOTH]], "local")):  # fmt: skip
+        with router(token, tokenizer, stack, disaggregation=ALWAYS_REMOTE) as base:
+            for path, body in (("completions", text), ("chat/completions", chat)):
+                r = httpx.post(f"{base}/v1/{path}", json=body, timeout=120)
+                assert r.status_code == 200, r.text
+                answers.append(r.json())
+            assert decisions(base) == {how: 2}
+    assert same(answers[0]["choices"], answers[2]["choices"])
+    assert same(answers[1]["prompt_logprobs"], answers[3]["prompt_logprobs"])
+    got = answers[0]["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(prompt) and got[0] is None
+    for pos, entry in enumerate(got[1:]):
+        tok, row = prompt[pos + 1], ref[pos]
+        own = entry[str(tok)]
+        assert own["logprob"] == pytest.approx(float(row[tok]), abs=1e-4)
+        assert own["rank"] == int((row > row[tok]).sum()) + 1
+        assert own["decoded_token"] == tokenizer.decode([tok])
+        best = torch.topk(row, 3).indices.tolist()
+        assert set(entry) == {str(t) for t in [tok, *best]}
+        assert [entry[str(t)]["rank"] for t in best if t != tok] == [
+            r for r, t in enumerate(best, 1) if t != tok
+        ]
+    # chat: one list for the request, the templated prompt's tokens, no alternatives
+    lps = answers[1]["prompt_logprobs"]
+    assert len(lps) == answers[1]["usage"]["prompt_tokens"] and lps[0] is None
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in lps[1:])
+
+
 def test_what_vllm_bench_serve_sends(
     workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any
 ) -> None:

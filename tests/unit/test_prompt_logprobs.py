@@ -14,7 +14,7 @@ from splitserve_worker.engine.prompt_logprobs import (
     chunk_targets,
     score_rows,
 )
-from splitserve_worker.router.responses import Job, logprobs_of
+from splitserve_worker.router.responses import Job, final_choice, logprobs_of
 from splitserve_worker.router.text import Detokenizer
 from splitserve_worker.router.worker_client import PromptScores, Sampling
 from splitserve_worker.server.convert import prompt_logprobs_to_proto
@@ -55,6 +55,8 @@ def test_the_head_in_slices_gives_what_one_pass_gives() -> None:
         lp = torch.log_softmax(head(hidden), dim=-1)
     want = [float(lp[i, t]) for i, t in enumerate(targets)]
     assert whole.logprobs == pytest.approx(want, abs=1e-6)
+    assert whole.ranks == [int((lp[i] > lp[i, t]).sum()) + 1 for i, t in enumerate(targets)]
+    assert sliced.ranks == whole.ranks
     assert sliced.logprobs == pytest.approx(whole.logprobs, abs=1e-6)
     assert [[t for t, _ in top] for top in sliced.tops] == torch.topk(lp, 3).indices.tolist()
     for a, b in zip(sliced.tops, whole.tops, strict=True):  # matmuls of other shapes
@@ -63,14 +65,16 @@ def test_the_head_in_slices_gives_what_one_pass_gives() -> None:
 
 
 def test_prompt_logprobs_cross_the_wire() -> None:
-    p = PromptLogprobs([-1.0, -2.5], [[(4, -0.5), (6, -1.0)], [(7, -0.25), (4, -2.0)]])
+    p = PromptLogprobs([-1.0, -2.5], [[(4, -0.5), (6, -1.0)], [(7, -0.25), (4, -2.0)]], [3, 9])
     chunk = pb.TokenChunk(token_ids=[9])
     assert PromptScores.from_chunk(chunk) is None  # not asked for
     chunk.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(p))
     got = PromptScores.from_chunk(pb.TokenChunk.FromString(chunk.SerializeToString()))
-    assert got == PromptScores((-1.0, -2.5), ([(4, -0.5), (6, -1.0)], [(7, -0.25), (4, -2.0)]))
+    assert got == PromptScores(
+        (-1.0, -2.5), ([(4, -0.5), (6, -1.0)], [(7, -0.25), (4, -2.0)]), (3, 9)
+    )
     # without alternatives asked for, none go on the wire
-    bare = prompt_logprobs_to_proto(PromptLogprobs([-1.0], [[]]))
+    bare = prompt_logprobs_to_proto(PromptLogprobs([-1.0], [[]], [1]))
     assert list(bare.logprobs) == [-1.0] and not bare.top_logprobs
     # a one-token prompt has no scores, but they were asked for: the field is there
     chunk = pb.TokenChunk(token_ids=[9])
@@ -83,10 +87,11 @@ class _Tok:
         return "".join(f"<{i}>" for i in ids)
 
 
-def _job(top: int) -> Job:
+def _job(top: int, prompt_logprobs: int | None = None) -> Job:
     return Job(id="cmpl-1", kind="text_completion", model="m", prompt=(1, 2, 3),
                sampling=Sampling(top_logprobs=top), detok=Detokenizer(_Tok(), ()),
-               want_logprobs=True, return_token_ids=False, stream=False)  # fmt: skip
+               want_logprobs=True, return_token_ids=False, stream=False, echo_logprobs=True,
+               prompt_logprobs=prompt_logprobs)  # fmt: skip
 
 
 def test_echo_puts_the_prompts_logprobs_first_the_first_token_without_one() -> None:
@@ -105,3 +110,25 @@ def test_echo_puts_the_prompts_logprobs_first_the_first_token_without_one() -> N
     later = logprobs_of(job, [12, 8], [-0.5, -0.25], [])
     assert first["text_offset"] == [0, 3, 6, 9]
     assert later["tokens"] == ["<12>", "<8>"] and later["text_offset"] == [12, 16]
+
+
+def test_vllm_prompt_logprobs_hold_each_prompt_token_and_the_most_likely_ones() -> None:
+    # the scores hold two alternatives (prompt_logprobs 2); echo's logprobs ask for one
+    scores = PromptScores((-1.0, -2.0), ([(2, -1.0), (4, -1.5)], [(5, -0.5), (6, -0.75)]), (1, 3))
+    job = _job(1, prompt_logprobs=2)
+    job.prompt_scores, job.tokens, job.logprobs = scores, [7], [-0.75]
+    job.top_logprobs = [[(7, -0.75)]]
+    c = final_choice(job)
+    assert c["logprobs"]["top_logprobs"] == [None, {"<2>": -1.0}, {"<5>": -0.5}, {"<7>": -0.75}]
+    assert c["prompt_logprobs"] == [
+        None,
+        {"2": {"logprob": -1.0, "rank": 1, "decoded_token": "<2>"},  # the prompt's, 1st
+         "4": {"logprob": -1.5, "rank": 2, "decoded_token": "<4>"}},
+        {"3": {"logprob": -2.0, "rank": 3, "decoded_token": "<3>"},
+         "5": {"logprob": -0.5, "rank": 1, "decoded_token": "<5>"},
+         "6": {"logprob": -0.75, "rank": 2, "decoded_token": "<6>"}},
+    ]  # fmt: skip
+    # not asked for: no such field
+    job = _job(1)
+    job.prompt_scores, job.tokens, job.logprobs = scores, [7], [-0.75]
+    assert "prompt_logprobs" not in final_choice(job)

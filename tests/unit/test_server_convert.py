@@ -30,7 +30,7 @@ ALL_SET = SamplingParams(
     repetition_penalty=1.5,
     resumed_tokens=6,
     logit_bias=((3, -100.0), (17, 2.5)),
-    prompt_logprobs=True,
+    prompt_logprobs=3,
 )
 
 

@@ -176,7 +176,9 @@ class Engine:
             params=sampling,
             generator=sampling.make_generator(self.device),
             arrival=self._arrivals,
-            prompt_logprobs=PromptLogprobs.empty(len(prompt)) if sampling.prompt_logprobs else None,
+            prompt_logprobs=(
+                None if sampling.prompt_logprobs is None else PromptLogprobs.empty(len(prompt))
+            ),
         )
 
     def add_request(

@@ -39,7 +39,7 @@ def prefill_export(
     bs = engine.block_size
     hit: list[int] = []
     blocks = engine.kv.blocks
-    if engine.config.enable_prefix_cache and not sampling.prompt_logprobs:
+    if engine.config.enable_prefix_cache and sampling.prompt_logprobs is None:
         hit = blocks.lookup(seq.full_block_hashes(bs)[: (len(prompt) - 1) // bs])
     need = blocks_for(len(prompt), bs) - len(hit)
     reclaimed = sum(1 for b in hit if blocks.refcount(b) == 0)

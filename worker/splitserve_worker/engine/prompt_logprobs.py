@@ -29,6 +29,8 @@ class ChunkScores:
     top: int = 0
     """Most likely tokens to return per row (besides the target's logprob)."""
     logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    """Each target's rank among the vocabulary at its row (1: the most likely)."""
     tops: list[TopLogprobs] = field(default_factory=list)
 
 
@@ -39,13 +41,15 @@ def score_rows(
     rows_per_pass: int = ROWS_PER_PASS,
 ) -> None:
     """Fill ``want`` from the final-normed ``hidden`` ``[len(targets), hidden]`` rows."""
-    want.logprobs, want.tops = [], []
+    want.logprobs, want.ranks, want.tops = [], [], []
     n = len(want.targets)
     targets = torch.tensor(list(want.targets), dtype=torch.long, device=hidden.device)
     for lo in range(0, n, rows_per_pass):
         hi = min(n, lo + rows_per_pass)
         lp = torch.log_softmax(head(hidden[lo:hi]).float(), dim=-1)
-        want.logprobs.extend(lp.gather(1, targets[lo:hi, None])[:, 0].tolist())
+        picked = lp.gather(1, targets[lo:hi, None])
+        want.logprobs.extend(picked[:, 0].tolist())
+        want.ranks.extend(((lp > picked).sum(dim=1) + 1).tolist())
         k = min(want.top, lp.shape[1])
         if k > 0:
             values, ids = torch.topk(lp, k, dim=-1)
@@ -68,17 +72,20 @@ class PromptLogprobs:
 
     logprobs: list[float]
     tops: list[TopLogprobs]
+    ranks: list[int] = field(default_factory=list)
 
     @classmethod
     def empty(cls, prompt_len: int) -> PromptLogprobs:
         n = max(0, prompt_len - 1)
-        return cls([float("nan")] * n, [[] for _ in range(n)])
+        return cls([float("nan")] * n, [[] for _ in range(n)], [0] * n)
 
     def record(self, start: int, scores: ChunkScores) -> None:
         """Store the scores of rows from position ``start`` (by position: a chunk computed
         again after a preemption overwrites what it gave before)."""
         for j, lp in enumerate(scores.logprobs):
             self.logprobs[start + j] = lp
+        for j, rank in enumerate(scores.ranks):
+            self.ranks[start + j] = rank
         for j, top in enumerate(scores.tops):
             self.tops[start + j] = top
 

@@ -64,10 +64,11 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs added to those tokens' logits before penalties and sampling;
     logprobs stay the model's own."""
-    prompt_logprobs: bool = False
-    """Also score the prompt: each prompt token's logprob given the ones before it (with
-    ``top_logprobs`` alternatives), returned with the first token. Such a request does
-    not reuse cached prefix blocks: their positions would have no logits."""
+    prompt_logprobs: int | None = None
+    """Set: also score the prompt, each prompt token's logprob given the ones before it
+    (and its rank, with this many most likely alternatives), returned with the first
+    token. Such a request does not reuse cached prefix blocks: their positions would have
+    no logits."""
 
     @property
     def greedy(self) -> bool:
@@ -104,6 +105,10 @@ class SamplingParams:
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise RequestError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise RequestError(
+                f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}"
             )
         if not 0.0 <= self.min_p <= 1.0:
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")

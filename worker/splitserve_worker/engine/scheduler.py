@@ -181,7 +181,7 @@ class Scheduler:
         """
         hit: list[int] = []
         total = len(seq.tokens)
-        if self.config.enable_prefix_cache and not seq.params.prompt_logprobs:
+        if self.config.enable_prefix_cache and seq.params.prompt_logprobs is None:
             # at least one token is always computed, to get the logits of the last one
             hashes = seq.full_block_hashes(self.bs)[: (total - 1) // self.bs]
             hit = self.blocks.lookup(hashes)

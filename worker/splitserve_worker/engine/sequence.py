@@ -99,11 +99,12 @@ class Sequence:
     def scores_for(self, num_tokens: int) -> ChunkScores | None:
         """What to score in the next ``num_tokens`` computed: the prompt rows whose next
         token is a prompt token, until the first token has gone out."""
-        if self.prompt_logprobs is None or self.num_output:
+        top = self.params.prompt_logprobs
+        if self.prompt_logprobs is None or top is None or self.num_output:
             return None
         start = self.num_computed
         targets = chunk_targets(self.tokens, self.prompt_len, start, start + num_tokens)
-        return ChunkScores(targets, self.params.top_logprobs) if targets else None
+        return ChunkScores(targets, top) if targets else None
 
     def record_scores(self, start: int, scores: ChunkScores | None) -> None:
         if scores is not None and self.prompt_logprobs is not None:

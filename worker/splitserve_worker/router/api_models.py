@@ -57,6 +57,9 @@ class _Sampling(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=64)
     return_token_ids: bool = False
     """Also return the generated token ids in each choice (``token_ids``)."""
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    """vLLM's: each prompt token's logprob and rank, with this many of the most likely
+    tokens at its position, in ``prompt_logprobs`` (not with ``stream``)."""
 
     @field_validator("stop")
     @classmethod
@@ -93,6 +96,8 @@ class _Sampling(BaseModel):
     def _neutral(self) -> _Sampling:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available with stream: true")
         return self
 
     def stop_strings(self) -> tuple[str, ...]:

@@ -34,8 +34,9 @@ from splitserve_worker.router.responses import (
     choice,
     choices_of,
     chunk,
+    echo_scores,
     envelope,
-    final_choice,
+    response,
     role_choice,
     sse,
     usage,
@@ -164,10 +165,7 @@ def create_app(service: RouterService) -> FastAPI:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        choices = [final_choice(j) for j in jobs]
-        body = envelope(jobs[0], choices)
-        body["usage"] = usage(jobs)
-        return body
+        return response(jobs)
 
     async def merged(jobs: list[Job]) -> AsyncGenerator[tuple[Job, str, TokenEvent], None]:
         """The events of every choice as they come; ends when all have (or one fails)."""
@@ -212,7 +210,7 @@ def create_app(service: RouterService) -> FastAPI:
                         continue
                     text, job.echo = job.echo + text, ""
                     # the prompt's logprobs go with the echo, in the first chunk
-                    scores, job.prompt_scores = job.prompt_scores, None
+                    scores, job.prompt_scores = echo_scores(job), None
                     ids, lps = list(ev.token_ids), list(ev.logprobs)
                     tops = list(ev.top_logprobs)
                     yield sse(chunk(jobs, [choice(job, text, ids, lps, final, tops, scores)]))

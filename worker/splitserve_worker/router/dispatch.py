@@ -147,7 +147,7 @@ class Dispatcher:
                     min_tokens=max(0, req.sampling.min_tokens - len(produced)),
                     resumed_tokens=len(produced),
                     # scored once, with the first token: a resumed attempt does not again
-                    prompt_logprobs=req.sampling.prompt_logprobs and not produced,
+                    prompt_logprobs=None if produced else req.sampling.prompt_logprobs,
                 )
                 hashes, excluded = self.hasher(prompt), frozenset(failed)
                 plan = await self._plan(prompt, hashes, excluded)

@@ -68,6 +68,11 @@ def make_job(
                 400, f"token id {bad} is outside the vocabulary (size {vocab})", param=param
             )
     want_lp = bool(body.logprobs) if kind == "chat.completion" else body.logprobs is not None
+    # the prompt is scored for echo with logprobs and for vLLM's prompt_logprobs: with
+    # as many alternatives as either asks for
+    echo_lp = isinstance(body, CompletionRequest) and body.echo and want_lp
+    asked = [k for k in (body.top_count() if echo_lp else None, body.prompt_logprobs)
+             if k is not None]  # fmt: skip
     sampling = Sampling(
         temperature=body.temperature,
         top_p=body.top_p,
@@ -85,7 +90,7 @@ def make_job(
         repetition_penalty=body.repetition_penalty,
         top_logprobs=body.top_count(),
         logit_bias=bias,
-        prompt_logprobs=want_lp and isinstance(body, CompletionRequest) and body.echo,
+        prompt_logprobs=max(asked) if asked else None,
     )
     return Job(
         id=("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex,
@@ -99,4 +104,6 @@ def make_job(
         stream=body.stream,
         include_usage=body.include_usage(),
         continuous_usage=body.continuous_usage(),
+        echo_logprobs=echo_lp,
+        prompt_logprobs=body.prompt_logprobs,
     )

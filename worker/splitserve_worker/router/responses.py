@@ -49,8 +49,13 @@ class Job:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[Top] = field(default_factory=list)
+    echo_logprobs: bool = False
+    """``echo`` with ``logprobs``: the prompt's tokens lead the logprobs."""
+    prompt_logprobs: int | None = None
+    """vLLM's ``prompt_logprobs``: alternatives per prompt position in the response's
+    ``prompt_logprobs``."""
     prompt_scores: PromptScores | None = None
-    """The prompt's logprobs (``echo`` with ``logprobs``), once the first token came."""
+    """The prompt's logprobs (for either of the above), once the first token came."""
     text_offset: int = 0
     """Where the next token's text starts in the choice's text (completions' logprobs
     ``text_offset``: the lengths of the token strings returned so far)."""
@@ -103,7 +108,8 @@ def logprobs_of(
         ids = [*job.prompt, *ids]
         lps = [None, *prompt.logprobs, *lps]
         if tops:
-            tops = [None, *prompt.top_logprobs, *tops]
+            k = job.sampling.top_logprobs  # the scores may hold more, for prompt_logprobs
+            tops = [None, *(top[:k] for top in prompt.top_logprobs), *tops]
     decode = job.detok.tokenizer.decode
     toks = [decode([t]) for t in ids]
     # one entry per token: decoded alternatives where asked for, none otherwise
@@ -156,10 +162,45 @@ def choice(
     return c
 
 
+def echo_scores(job: Job) -> PromptScores | None:
+    """The prompt's scores where they lead the logprobs (``echo`` with ``logprobs``)."""
+    return job.prompt_scores if job.echo_logprobs else None
+
+
+def prompt_logprobs_of(job: Job) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token a map
+    of token id to its logprob, rank and text: the prompt's own token and the most likely
+    ones. None when not asked for."""
+    scores, k = job.prompt_scores, job.prompt_logprobs
+    if scores is None or k is None:
+        return None
+    decode = job.detok.tokenizer.decode
+    out: list[dict[str, Any] | None] = [None]
+    for i, tok in enumerate(job.prompt[1:]):
+        ranked = [(tok, scores.logprobs[i], scores.ranks[i] if scores.ranks else None)]
+        tops = scores.top_logprobs[i][:k] if scores.top_logprobs else []
+        ranked += [(t, lp, r) for r, (t, lp) in enumerate(tops, 1) if t != tok]
+        out.append({str(t): {"logprob": lp, "rank": r, "decoded_token": decode([t])}
+                    for t, lp, r in ranked})  # fmt: skip
+    return out
+
+
 def final_choice(job: Job) -> Any:
     """The whole of one choice, once it has ended (a response that is not streamed)."""
     text = job.echo + job.detok.text
-    return choice(job, text, job.tokens, job.logprobs, True, job.top_logprobs, job.prompt_scores)
+    c = choice(job, text, job.tokens, job.logprobs, True, job.top_logprobs, echo_scores(job))
+    if job.kind == "text_completion" and job.prompt_logprobs is not None:
+        c["prompt_logprobs"] = prompt_logprobs_of(job)
+    return c
+
+
+def response(jobs: Sequence[Job]) -> dict[str, Any]:
+    """The whole answer of a request run as ``jobs``, once all have ended."""
+    body = envelope(jobs[0], [final_choice(j) for j in jobs])
+    if jobs[0].kind == "chat.completion" and jobs[0].prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_of(jobs[0])  # one prompt, all choices
+    body["usage"] = usage(jobs)
+    return body
 
 
 def envelope(job: Job, choices: list[Any]) -> dict[str, Any]:

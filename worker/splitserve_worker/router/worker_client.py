@@ -36,7 +36,7 @@ class Sampling:
     resumed_tokens: int = 0
     top_logprobs: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
-    prompt_logprobs: bool = False
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class PromptScores:
 
     logprobs: tuple[float, ...]
     top_logprobs: tuple[list[tuple[int, float]], ...] = ()
+    ranks: tuple[int, ...] = ()
 
     @classmethod
     def from_chunk(cls, chunk: pb.TokenChunk) -> PromptScores | None:
@@ -54,7 +55,7 @@ class PromptScores:
             return None
         p = chunk.prompt_logprobs
         tops = tuple(list(zip(t.token_ids, t.logprobs, strict=True)) for t in p.top_logprobs)
-        return cls(tuple(p.logprobs), tops)
+        return cls(tuple(p.logprobs), tops, tuple(p.ranks))
 
 
 class WorkerConn(Protocol):

@@ -41,10 +41,11 @@ def sampling_to_proto(sp: Any) -> pb.SamplingParams:
         resumed_tokens=int(sp.resumed_tokens),
         top_logprobs=int(sp.top_logprobs),
         logit_bias={int(t): float(b) for t, b in sp.logit_bias},
-        prompt_logprobs=bool(sp.prompt_logprobs),
     )
     if sp.seed is not None:
         msg.seed = int(sp.seed)
+    if sp.prompt_logprobs is not None:
+        msg.prompt_logprobs = int(sp.prompt_logprobs)
     return msg
 
 
@@ -69,7 +70,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         resumed_tokens=msg.resumed_tokens,
         top_logprobs=msg.top_logprobs,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
-        prompt_logprobs=msg.prompt_logprobs,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
     sp.validate()
     return sp
@@ -124,7 +125,7 @@ def top_from_proto(msg: pb.TopLogprobs) -> list[tuple[int, float]]:
 
 def prompt_logprobs_to_proto(p: PromptLogprobs) -> pb.PromptLogprobs:
     tops = [top_to_proto(t) for t in p.tops] if any(p.tops) else []
-    return pb.PromptLogprobs(logprobs=p.logprobs, top_logprobs=tops)
+    return pb.PromptLogprobs(logprobs=p.logprobs, top_logprobs=tops, ranks=p.ranks)
 
 
 def chunk_from_output(out: RequestOutput) -> pb.TokenChunk:
