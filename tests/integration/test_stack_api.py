@@ -204,6 +204,45 @@ def test_vllm_prompt_logprobs_on_both_endpoints(
     assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in lps[1:])
 
 
+def test_a_batch_of_prompts_is_answered_as_each_alone(
+    workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any
+) -> None:
+    """OpenAI's batched prompts (what lm-evaluation-harness sends with a batch size): each
+    prompt gets its ``n`` choices, indexed prompt by prompt, the same as asked alone."""
+    token, eps = workers
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2][:30]]
+    base_body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    with router(token, tokenizer, eps) as base:
+
+        def post(**extra: Any) -> httpx.Response:
+            r = httpx.post(f"{base}/v1/completions", json={**base_body, **extra}, timeout=120)
+            assert r.status_code == 200, r.text
+            return r
+
+        alone = [post(prompt=p).json()["choices"][0]["text"] for p in prompts]
+        body = post(prompt=prompts, n=2).json()
+        assert [c["index"] for c in body["choices"]] == list(range(6))
+        assert [c["text"] for c in body["choices"]] == [t for t in alone for _ in range(2)]
+        lengths = [len(p) for p in prompts]
+        assert body["usage"] == {"prompt_tokens": sum(lengths), "completion_tokens": 24,
+                                 "total_tokens": sum(lengths) + 24}  # fmt: skip
+        r = post(prompt=prompts, n=2, stream=True)
+        texts = [""] * 6
+        for ln in r.text.splitlines():
+            if ln.startswith("data: {"):
+                for c in json.loads(ln[6:])["choices"]:
+                    texts[c["index"]] += c["text"]
+        assert texts == [c["text"] for c in body["choices"]]
+        texts = ["Once upon a time", "hello there"]  # a batch of text prompts alike
+        alone = [post(prompt=t, echo=True).json()["choices"][0]["text"] for t in texts]
+        assert [c["text"] for c in post(prompt=texts, echo=True).json()["choices"]] == alone
+        # lm-eval's loglikelihood batch: token-id prompts, echo, logprobs, one token each
+        scored = post(prompt=prompts[:2], echo=True, logprobs=1, max_tokens=1).json()
+        for c, n in zip(scored["choices"], lengths, strict=False):
+            lp = c["logprobs"]
+            assert len(lp["token_logprobs"]) == n + 1 and lp["token_logprobs"][0] is None
+
+
 def test_what_vllm_bench_serve_sends(
     workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any
 ) -> None:

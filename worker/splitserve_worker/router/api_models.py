@@ -17,6 +17,8 @@ MAX_TOP_LOGPROBS = 20
 """Most alternatives per position a request may ask for (``logprobs`` / ``top_logprobs``)."""
 MAX_CHOICES = 16
 """Most choices (``n``) per request: each is a request of its own on the workers."""
+MAX_COMPLETIONS = 64
+"""Most completions per request, prompts of a batch times ``n``."""
 MAX_LOGIT_BIAS = 100.0
 """A logit bias is within +-this, as OpenAI's (-100 bans a token)."""
 MAX_BIASED_TOKENS = 1024
@@ -130,20 +132,23 @@ class CompletionRequest(_Sampling):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            if v == "":
-                raise ValueError("prompt must not be empty")
-            return v
+    def _prompts(cls, v: Any) -> Any:
         if not v:
             raise ValueError("prompt must not be empty")
-        if isinstance(v[0], str | list):
-            if len(v) != 1:
-                raise ValueError("batched prompts are not supported: send one prompt per request")
-            if v[0] == "" or v[0] == []:
-                raise ValueError("prompt must not be empty")
-            return v[0]
+        if isinstance(v, list) and isinstance(v[0], str | list):
+            if len(v) > MAX_COMPLETIONS:
+                raise ValueError(f"at most {MAX_COMPLETIONS} prompts per request, got {len(v)}")
+            empty = next((i for i, p in enumerate(v) if not p), None)
+            if empty is not None:
+                raise ValueError(f"prompt {empty} of the batch is empty")
         return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or a batch (each answered by its own choices)."""
+        p = self.prompt
+        if isinstance(p, str) or not isinstance(p[0], str | list):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
     def top_count(self) -> int:
         """How many of the most likely tokens to return per position."""
@@ -151,6 +156,11 @@ class CompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
+        total = len(self.prompts()) * self.n
+        if total > MAX_COMPLETIONS:
+            raise ValueError(
+                f"prompts x n is {total} completions; at most {MAX_COMPLETIONS} per request"
+            )
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self

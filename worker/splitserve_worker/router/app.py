@@ -86,9 +86,12 @@ def create_app(service: RouterService) -> FastAPI:
     # ---- helpers ----
 
     def make_job(
-        kind: str, body: CompletionRequest | ChatCompletionRequest, prompt: list[int]
+        kind: str,
+        body: CompletionRequest | ChatCompletionRequest,
+        prompt: list[int],
+        job_id: str | None = None,
     ) -> Job:
-        return jobs.make_job(kind, body, prompt, cfg, service.tokenizer)
+        return jobs.make_job(kind, body, prompt, cfg, service.tokenizer, job_id)
 
     async def events(job: Job) -> AsyncGenerator[tuple[str, TokenEvent], None]:
         """(text delta, event) pairs; records metrics; always ends the worker side."""
@@ -223,9 +226,10 @@ def create_app(service: RouterService) -> FastAPI:
         yield b"data: [DONE]\n\n"
 
     async def respond(
-        request: Request, job: Job, body: CompletionRequest | ChatCompletionRequest
+        request: Request, prompts: list[Job], body: CompletionRequest | ChatCompletionRequest
     ) -> Response:
-        jobs = choices_of(job, body.n)
+        """Run each prompt's ``n`` choices, streamed or as one answer."""
+        jobs = [choice for job in prompts for choice in choices_of(job, body.n)]
         if body.stream:
             # admission first (a decode slot per choice, held for the stream), so a full
             # queue answers 429 and a queue timeout 503 as HTTP statuses, never as an error
@@ -257,18 +261,22 @@ def create_app(service: RouterService) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=[auth])
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        if isinstance(body.prompt, str):
-            prompt = list(service.tokenizer(body.prompt, add_special_tokens=True)["input_ids"])
-        else:
-            prompt = list(body.prompt)  # type: ignore[arg-type]
-        job = make_job("text_completion", body, prompt)
-        if body.echo:
-            job.echo = (
-                body.prompt
-                if isinstance(body.prompt, str)
-                else service.tokenizer.decode(prompt, skip_special_tokens=True)
-            )
-        return await respond(request, job, body)
+        batch: list[Job] = []
+        for i, given in enumerate(body.prompts()):  # a batch: each prompt its n choices
+            if isinstance(given, str):
+                prompt = list(service.tokenizer(given, add_special_tokens=True)["input_ids"])
+            else:
+                prompt = list(given)
+            job = make_job("text_completion", body, prompt, batch[0].id if batch else None)
+            job.index, job.prompt_index = i * body.n, i
+            if body.echo:
+                job.echo = (
+                    given
+                    if isinstance(given, str)
+                    else service.tokenizer.decode(prompt, skip_special_tokens=True)
+                )
+            batch.append(job)
+        return await respond(request, batch, body)
 
     @app.post("/v1/chat/completions", dependencies=[auth])
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
@@ -280,7 +288,7 @@ def create_app(service: RouterService) -> FastAPI:
         messages = [{"role": msg.role, "content": msg.text()} for msg in body.messages]
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompt = list(tok(text, add_special_tokens=False)["input_ids"])
-        return await respond(request, make_job("chat.completion", body, prompt), body)
+        return await respond(request, [make_job("chat.completion", body, prompt)], body)
 
     @app.get("/v1/models", dependencies=[auth])
     async def models() -> dict[str, Any]:

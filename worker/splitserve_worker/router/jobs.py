@@ -32,6 +32,7 @@ def make_job(
     prompt: list[int],
     cfg: RouterConfig,
     tokenizer: Any,
+    job_id: str | None = None,
 ) -> Job:
     """One request as a :class:`Job`: its limits checked against the server's (an
     :class:`APIError` names the bad field), its sampling parameters as sent to workers."""
@@ -93,7 +94,7 @@ def make_job(
         prompt_logprobs=max(asked) if asked else None,
     )
     return Job(
-        id=("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex,
+        id=job_id or ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex,
         kind=kind,
         model=check_model(body.model, cfg),
         prompt=tuple(prompt),

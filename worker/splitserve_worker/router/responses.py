@@ -36,7 +36,10 @@ class Job:
     return_token_ids: bool
     stream: bool
     index: int = 0
-    """Which choice of the request this is (``n`` > 1 runs one job per choice)."""
+    """Which choice of the request this is (``n`` > 1 runs one job per choice, a batch of
+    prompts ``n`` per prompt)."""
+    prompt_index: int = 0
+    """Which prompt of a batch this job answers."""
     echo: str = ""
     """Text put before the completion's (the prompt, for ``echo``); a stream sends it with
     its first text and then clears it."""
@@ -66,7 +69,8 @@ class Job:
 
 
 def choices_of(job: Job, n: int) -> list[Job]:
-    """``job`` as ``n`` choices; seeded sampling gets seed, seed + 1, ... so they differ."""
+    """``job`` as ``n`` choices, indexed from ``job.index`` on; seeded sampling gets seed,
+    seed + 1, ... so they differ."""
     seed = job.sampling.seed
 
     def sampling(i: int) -> Sampling:
@@ -76,15 +80,15 @@ def choices_of(job: Job, n: int) -> list[Job]:
 
     def fresh(i: int) -> Job:
         detok = Detokenizer(job.detok.tokenizer, job.detok.stop)
-        return replace(job, index=i, sampling=sampling(i), detok=detok, tokens=[], logprobs=[],
-                       top_logprobs=[], prompt_scores=None, text_offset=0)  # fmt: skip
+        return replace(job, index=job.index + i, sampling=sampling(i), detok=detok, tokens=[],
+                       logprobs=[], top_logprobs=[], prompt_scores=None, text_offset=0)  # fmt: skip
 
     return [job] + [fresh(i) for i in range(1, n)]
 
 
 def usage(jobs: Sequence[Job]) -> dict[str, int]:
-    """Of a request's choices together: the prompt once, every choice's tokens."""
-    prompt = len(jobs[0].prompt)
+    """Of a request's choices together: each prompt once, every choice's tokens."""
+    prompt = sum({j.prompt_index: len(j.prompt) for j in jobs}.values())
     completion = sum(len(j.tokens) for j in jobs)
     return {
         "prompt_tokens": prompt,
