@@ -127,6 +127,7 @@ COMMON = {
     "return_token_ids": st.booleans(),
     "user": st.text(max_size=10) | JSON,
     "logit_bias": st.none() | st.dictionaries(st.text(max_size=3), st.floats(-2, 2), max_size=2),
+    "prompt_logprobs": st.none() | st.integers(-1, 22) | JSON,
 }
 COMPLETION = st.fixed_dictionaries(
     {"prompt": st.text(max_size=40) | TOKENS | st.lists(TOKENS, max_size=2)
@@ -161,6 +162,7 @@ SANE = {
     "ignore_eos": st.booleans(),
     "min_tokens": st.integers(0, 5),
     "return_token_ids": st.booleans(),
+    "prompt_logprobs": st.none() | st.integers(0, 2),
 }  # fmt: skip
 NEAR_VALID_COMPLETION = st.fixed_dictionaries(
     {"prompt": st.text(min_size=1, max_size=40) | st.lists(st.integers(0, 258), min_size=1,

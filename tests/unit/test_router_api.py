@@ -71,6 +71,7 @@ def error_of(r: Any, status: int) -> dict[str, Any]:
         ({"prompt": "hi", "logit_bias": {"²": 1.0}}, "logit_bias", "must be token ids"),
         ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", "must be in [-100, 100]"),
         ({"prompt": "hi", "logit_bias": {"9999": 1}}, "logit_bias", "outside the vocabulary"),
+        ({"prompt": [[5], [9999]]}, "prompt", "prompt 1 of the batch: token id 9999 is outside"),
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, None, "only allowed"),
         ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", "less than or equal to 20"),
         ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, None, "not available with"),

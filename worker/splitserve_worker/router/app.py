@@ -262,12 +262,19 @@ def create_app(service: RouterService) -> FastAPI:
     @app.post("/v1/completions", dependencies=[auth])
     async def completions(request: Request, body: CompletionRequest) -> Response:
         batch: list[Job] = []
-        for i, given in enumerate(body.prompts()):  # a batch: each prompt its n choices
+        prompts = body.prompts()
+        for i, given in enumerate(prompts):  # a batch: each prompt its n choices
             if isinstance(given, str):
                 prompt = list(service.tokenizer(given, add_special_tokens=True)["input_ids"])
             else:
                 prompt = list(given)
-            job = make_job("text_completion", body, prompt, batch[0].id if batch else None)
+            try:
+                job = make_job("text_completion", body, prompt, batch[0].id if batch else None)
+            except APIError as e:
+                if len(prompts) == 1:
+                    raise
+                raise APIError(e.status, f"prompt {i} of the batch: {e.message}",
+                               param=e.param, code=e.code) from None  # fmt: skip
             job.index, job.prompt_index = i * body.n, i
             if body.echo:
                 job.echo = (
