@@ -226,3 +226,33 @@ def test_api_key(tokenizer: Any) -> None:
         error_of(c.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
         assert c.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert c.get("/health").status_code == 503  # open, and says no worker is ready
+
+
+def test_tokenize_and_detokenize_use_the_served_tokenizer(tokenizer: Any) -> None:
+    """vLLM's ``/tokenize`` and ``/detokenize``: the ids completions and chat would send."""
+    from splitserve_worker.router.api_models import ChatMessage
+    from splitserve_worker.router.tokens import chat_prompt
+
+    with make_client(tokenizer, api_key="k") as c:
+        key = {"Authorization": "Bearer k"}
+        error_of(c.post("/tokenize", json={"prompt": "hi"}), 401)
+        r = c.post("/tokenize", json={"prompt": "Once upon a time", "return_token_strs": True},
+                   headers=key)  # fmt: skip
+        assert r.status_code == 200, r.text
+        ids = tokenizer("Once upon a time")["input_ids"]
+        assert r.json() == {"count": len(ids), "max_model_len": 256, "tokens": ids,
+                            "token_strs": tokenizer.convert_ids_to_tokens(ids)}  # fmt: skip
+        chat = [{"role": "user", "content": "name a colour"}]
+        r = c.post("/tokenize", json={"model": "tiny", "messages": chat}, headers=key)
+        want = chat_prompt(tokenizer, "tiny", [ChatMessage(**m) for m in chat])  # type: ignore[arg-type]
+        assert r.json()["tokens"] == want and r.json()["token_strs"] is None
+        r = c.post("/detokenize", json={"tokens": ids}, headers=key)
+        assert r.json() == {"prompt": tokenizer.decode(ids)}
+        # what is wrong is said
+        err = error_of(c.post("/detokenize", json={"tokens": [5, 10**6]}, headers=key), 400)
+        assert "outside the vocabulary" in err["message"] and err["param"] == "tokens"
+        err = error_of(c.post("/tokenize", json={"model": "tiny"}, headers=key), 400)
+        assert "either prompt or messages" in err["message"]
+        error_of(c.post("/tokenize", json={"prompt": "x", "messages": chat}, headers=key), 400)
+        assert error_of(c.post("/tokenize", json={"prompt": "x", "model": "other"},
+                               headers=key), 404)["code"] == "model_not_found"  # fmt: skip

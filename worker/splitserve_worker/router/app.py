@@ -23,7 +23,7 @@ from splitserve_worker.metrics.names import (
     TPOT,
     TTFT,
 )
-from splitserve_worker.router import errors, jobs
+from splitserve_worker.router import errors, jobs, tokens
 from splitserve_worker.router.api_models import ChatCompletionRequest, CompletionRequest
 from splitserve_worker.router.dispatch import GenRequest, TokenEvent
 from splitserve_worker.router.errors import APIError
@@ -287,15 +287,10 @@ def create_app(service: RouterService) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[auth])
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        tok = service.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise APIError(
-                400, f"model {cfg.model_name!r} has no chat template; use /v1/completions"
-            )
-        messages = [{"role": msg.role, "content": msg.text()} for msg in body.messages]
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        prompt = list(tok(text, add_special_tokens=False)["input_ids"])
+        prompt = tokens.chat_prompt(service.tokenizer, cfg.model_name, body.messages)
         return await respond(request, [make_job("chat.completion", body, prompt)], body)
+
+    tokens.install(app, service, auth)
 
     @app.get("/v1/models", dependencies=[auth])
     async def models() -> dict[str, Any]:
