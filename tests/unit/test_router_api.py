@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -256,3 +257,24 @@ def test_tokenize_and_detokenize_use_the_served_tokenizer(tokenizer: Any) -> Non
         error_of(c.post("/tokenize", json={"prompt": "x", "messages": chat}, headers=key), 400)
         assert error_of(c.post("/tokenize", json={"prompt": "x", "model": "other"},
                                headers=key), 404)["code"] == "model_not_found"  # fmt: skip
+
+
+def test_a_body_over_the_limit_is_413_declared_or_chunked(tokenizer: Any) -> None:
+    queues = QueueConfig(max_wait_s=0.2, retry_after_s=1)
+    with make_client(tokenizer, max_request_bytes=2000, queues=queues) as c:
+        big = {"prompt": [5] * 1000}  # about 3 KB of JSON
+        err = error_of(c.post("/v1/completions", json=big), 413)
+        assert "larger than this router accepts (2000 bytes" in err["message"]
+        raw = json.dumps(big).encode()
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+            for i in range(0, len(raw), 500):
+                yield raw[i : i + 500]
+
+        headers = {"Content-Type": "application/json"}
+        r = c.post("/v1/completions", content=chunks(), headers=headers)
+        assert "larger than this router accepts" in error_of(r, 413)["message"]
+        # under the limit the request goes on, to the queue (no worker is up here)
+        small = {"prompt": [5] * 10, "max_tokens": 1}
+        assert error_of(c.post("/v1/completions", json=small), 503)["code"] == "queue_timeout"
+        assert c.post("/tokenize", json={"prompt": "x" * 3000}).status_code == 413

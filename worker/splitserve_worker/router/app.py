@@ -25,6 +25,7 @@ from splitserve_worker.metrics.names import (
 )
 from splitserve_worker.router import errors, jobs, tokens
 from splitserve_worker.router.api_models import ChatCompletionRequest, CompletionRequest
+from splitserve_worker.router.body_limit import BodyLimit
 from splitserve_worker.router.dispatch import GenRequest, TokenEvent
 from splitserve_worker.router.errors import APIError
 from splitserve_worker.router.failures import RequestFailed
@@ -73,6 +74,7 @@ def create_app(service: RouterService) -> FastAPI:
 
     app = FastAPI(title="splitserve router", version="1", lifespan=lifespan)
     errors.install(app)
+    app.add_middleware(BodyLimit, limit=service.config.max_request_bytes)
     auth = Depends(_auth(service))
     cfg = service.config
     m = service.metrics

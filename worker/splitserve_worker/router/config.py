@@ -158,6 +158,8 @@ class RouterConfig:
     """Longest prompt plus completion accepted, in tokens."""
     default_max_tokens: int = 256
     """max_tokens used when a request does not say."""
+    max_request_bytes: int = 64 << 20
+    """Largest request body accepted (413 beyond): 64 prompts of 100,000 token ids fit."""
     api_key: str | None = field(default=None, repr=False)
     """If set, requests need 'Authorization: Bearer <api_key>'; never printed."""
     worker_token: str | None = field(default=None, repr=False)
@@ -179,6 +181,7 @@ class RouterConfig:
         _positive("block_size", self.block_size)
         _positive("max_model_len", self.max_model_len)
         _positive("default_max_tokens", self.default_max_tokens)
+        _positive("max_request_bytes", self.max_request_bytes)
         _non_negative("max_retries", self.max_retries)
         if self.disaggregation not in ("auto", "always", "never"):
             raise ConfigError(
