@@ -140,6 +140,33 @@ def resolve_model(name_or_path: str) -> Path:
     return path
 
 
+DEFAULT_POSITIONS = 4096
+"""Positions assumed for a config that does not say (``max_position_embeddings``)."""
+
+
+def context_limit(model_config: Any) -> int:
+    """Longest sequence a model serves here: its positions, and its sliding window if it
+    uses one (attention here is always full, so sequences stay within the window to be
+    exact)."""
+    limit = int(getattr(model_config, "max_position_embeddings", None) or DEFAULT_POSITIONS)
+    window = getattr(model_config, "sliding_window", None)
+    layer_types = getattr(model_config, "layer_types", None) or []
+    uses_window = window is not None and (
+        getattr(model_config, "use_sliding_window", True) or "sliding_attention" in layer_types
+    )
+    if uses_window and window:
+        limit = min(limit, int(window))
+    return limit
+
+
+def model_context_limit(name_or_path: str) -> int:
+    """:func:`context_limit` of a model by name or folder, from its config alone (what the
+    router uses: it loads no weights)."""
+    from transformers import AutoConfig
+
+    return context_limit(AutoConfig.from_pretrained(str(resolve_model(name_or_path))))
+
+
 def torch_dtype(name: str, checkpoint_dtype: Any = None) -> torch.dtype:
     """Map a dtype name to torch; 'auto' keeps the checkpoint's own dtype."""
     import torch

@@ -74,6 +74,10 @@ def load_config(args: argparse.Namespace, **overrides: Any) -> Any:
     if args.max_model_len:
         data["max_model_len"] = args.max_model_len
     data.update(overrides)
+    if "max_model_len" not in data:  # what the workers serve, read from the model's config
+        from splitserve_worker.models import model_context_limit
+
+        data["max_model_len"] = model_context_limit(args.model)
     return RouterConfig.from_mapping(data)
 
 

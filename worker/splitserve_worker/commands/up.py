@@ -282,6 +282,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 async def _main(args: argparse.Namespace) -> int:
     from splitserve_worker.commands.router import load_tokenizer
+    from splitserve_worker.models import model_context_limit
     from splitserve_worker.router.app import create_app
     from splitserve_worker.router.config import RouterConfig
     from splitserve_worker.router.discovery import StaticDiscovery
@@ -310,7 +311,7 @@ async def _main(args: argparse.Namespace) -> int:
         endpoints = starting.result()
         cfg = RouterConfig(
             model_name=args.model, kv_backend=args.kv_backend, worker_token=token,
-            api_key=args.api_key,
+            api_key=args.api_key, max_model_len=model_context_limit(args.model),
         )  # fmt: skip
         service = RouterService(cfg, tokenizer, StaticDiscovery(endpoints))
         server, task, port = await serve_router(create_app(service), "127.0.0.1", args.port)

@@ -87,7 +87,7 @@ class Engine:
             max_events=config.max_events,
         )
         self.runner = ModelRunner(model, self.kv, prepack=config.cpu_prepack)
-        self.max_model_len = identity.max_model_len(model.config, shape, config.max_model_len)
+        self.max_model_len = identity.max_model_len(model.config, config.max_model_len)
         self.stopper = StopChecker(identity.eos_ids(model), loaded.tokenizer, self.max_model_len)
         self.scheduler = Scheduler(config, self.kv.blocks)
         self._seqs: dict[str, Sequence] = {}

@@ -11,6 +11,7 @@ import torch
 from splitserve_worker.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from splitserve_worker.engine.kv_cache import KV_LAYOUT
 from splitserve_worker.engine.model_runner import ModelShape
+from splitserve_worker.models import context_limit
 
 
 def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
@@ -24,21 +25,11 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
     return DEFAULT_CPU_KV_BYTES
 
 
-def max_model_len(model_config: Any, shape: ModelShape, configured: int | None) -> int:
-    """Longest sequence served: the model's positions, its sliding window if it uses one
-    (attention here is always full, so sequences stay within the window to be exact), and
-    the configured cap."""
-    limit = shape.max_position
-    window = getattr(model_config, "sliding_window", None)
-    layer_types = getattr(model_config, "layer_types", None) or []
-    uses_window = window is not None and (
-        getattr(model_config, "use_sliding_window", True) or "sliding_attention" in layer_types
-    )
-    if uses_window and window:
-        limit = min(limit, int(window))
-    if configured is not None:
-        limit = min(limit, configured)
-    return limit
+def max_model_len(model_config: Any, configured: int | None) -> int:
+    """Longest sequence served: the model's (:func:`~splitserve_worker.models.context_limit`)
+    and the configured cap."""
+    limit = context_limit(model_config)
+    return limit if configured is None else min(limit, configured)
 
 
 def eos_ids(model: Any) -> set[int]:

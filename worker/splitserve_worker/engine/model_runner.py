@@ -58,7 +58,6 @@ class ModelShape:
     head_dim: int
     hidden_size: int
     vocab_size: int
-    max_position: int
 
 
 def model_shape(config: Any) -> ModelShape:
@@ -72,7 +71,6 @@ def model_shape(config: Any) -> ModelShape:
         head_dim=int(head_dim),
         hidden_size=hidden,
         vocab_size=int(config.vocab_size),
-        max_position=int(getattr(config, "max_position_embeddings", 4096) or 4096),
     )
 
 
