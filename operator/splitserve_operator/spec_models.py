@@ -28,6 +28,7 @@ from splitserve_operator.spec_values import (
     MAX_REPLICAS,
     QUANTITY_PATTERN,
     URL_PATTERN,
+    Disaggregation,
     Dtype,
     KvBackend,
     Pool,
@@ -170,9 +171,23 @@ class PoolSpec(_Model):
         return value
 
 
+class RouterSettings(_Model):
+    """What the router does with requests; each one left out keeps the router's default
+    (``splitserve router --help``)."""
+
+    disaggregation: Disaggregation | None = None
+    """auto: a cost model decides per request; always / never: remote prefill or not."""
+    max_model_len: Annotated[int, Field(ge=2, le=10_000_000)] | None = None
+    """Lowers the longest prompt plus completion accepted (default: the model's own)."""
+    default_max_tokens: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
+    max_request_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] | None = None
+    max_retries: Annotated[int, Field(ge=0, le=10)] | None = None
+
+
 class RouterSpec(PoolSpec):
     gpus: Annotated[int, Field(ge=0, le=MAX_GPUS_PER_POD)] = 0
     service_type: ServiceType = ServiceType.CLUSTER_IP
+    settings: RouterSettings | None = None
 
 
 class KvTransferSpec(_Model):

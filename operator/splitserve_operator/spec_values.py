@@ -64,6 +64,12 @@ class KvBackend(StrEnum):
     NIXL = "nixl"
 
 
+class Disaggregation(StrEnum):
+    AUTO = "auto"
+    ALWAYS = "always"
+    NEVER = "never"
+
+
 class ServiceType(StrEnum):
     CLUSTER_IP = "ClusterIP"
     NODE_PORT = "NodePort"

@@ -166,6 +166,21 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
         "spec.autoscaling.prometheusUrl",
     ),
     ("bad service type", {"router": {"serviceType": "Ingress"}}, "spec.router.serviceType"),
+    (
+        "bad disaggregation",
+        {"router": {"settings": {"disaggregation": "sometimes"}}},
+        "spec.router.settings.disaggregation",
+    ),
+    (
+        "too many retries",
+        {"router": {"settings": {"maxRetries": 11}}},
+        "spec.router.settings.maxRetries",
+    ),
+    (
+        "tiny request cap",
+        {"router": {"settings": {"maxRequestBytes": 10}}},
+        "spec.router.settings.maxRequestBytes",
+    ),
 ]
 
 

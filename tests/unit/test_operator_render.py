@@ -145,6 +145,34 @@ def _router_service_type() -> None:
     assert objects()["Service/demo-router"]["spec"]["type"] == "ClusterIP"
 
 
+ROUTER_SETTINGS = {"disaggregation": "never", "maxModelLen": 2048, "defaultMaxTokens": 64,
+                   "maxRequestBytes": 1 << 20, "maxRetries": 0}  # fmt: skip
+
+
+def _router_setting(field: str) -> Callable[[], None]:
+    def check() -> None:
+        import argparse
+
+        from splitserve_worker.commands import router as router_cmd
+
+        value = ROUTER_SETTINGS[field]
+        objs = objects({"router": {"settings": {field: value}}})
+        args = container(objs, "router")["args"]
+        parser = argparse.ArgumentParser()
+        router_cmd.add_arguments(parser)
+        # the flag the operator writes is one the router's CLI reads, as that value
+        parsed = vars(parser.parse_args(args[1:]))
+        snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in field)
+        assert parsed[snake] == value
+        base = objects()
+        assert "--" + snake.replace("_", "-") not in container(base, "router")["args"]
+        # the router rolls, the workers do not
+        for pool in ("prefill", "decode"):
+            assert objs[f"Deployment/demo-{pool}"] == base[f"Deployment/demo-{pool}"]
+
+    return check
+
+
 def _kv_backend() -> None:
     objs = objects({"kvTransfer": {"backend": "nixl"}})
     assert arg(objs, "prefill", "--kv-backend") == arg(objs, "decode", "--kv-backend") == "nixl"
@@ -253,6 +281,7 @@ FIELD_CHECKS: dict[str, Callable[[], None]] = {
         )
     },
     "router.serviceType": _router_service_type,
+    **{f"router.settings.{field}": _router_setting(field) for field in ROUTER_SETTINGS},
     "kvTransfer.backend": _kv_backend,
     "kvTransfer.leaseSeconds": _kv_lease,
     "slo.ttftSeconds": _planner_only,

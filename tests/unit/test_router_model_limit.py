@@ -47,3 +47,14 @@ def test_the_router_takes_the_models_limit_unless_told(tmp_path: Path) -> None:
     settings = tmp_path / "router.json"
     settings.write_text(json.dumps({"max_model_len": 300}))
     assert router_cmd.load_config(_args(tmp_path, config=settings)).max_model_len == 300
+
+
+def test_router_settings_flags_reach_its_config(tmp_path: Path) -> None:
+    """The flags the operator writes from ``spec.router.settings``."""
+    LlamaConfig(max_position_embeddings=1024).save_pretrained(tmp_path)
+    cfg = router_cmd.load_config(_args(tmp_path, disaggregation="never", default_max_tokens=64,
+                                       max_request_bytes=4096, max_retries=0))  # fmt: skip
+    assert (cfg.disaggregation, cfg.default_max_tokens) == ("never", 64)
+    assert (cfg.max_request_bytes, cfg.max_retries) == (4096, 0)
+    with pytest.raises(ValueError, match="max_request_bytes"):
+        router_cmd.load_config(_args(tmp_path, max_request_bytes=0))

@@ -92,7 +92,20 @@ def router_args(spec: InferenceServiceSpec, namespace: str, selector: str) -> li
         spec.kv_transfer.backend.value,
         "--token-file",
         TOKEN_FILE,
+        *router_setting_args(spec),
     ]
+
+
+def router_setting_args(spec: InferenceServiceSpec) -> list[str]:
+    """``spec.router.settings`` as ``splitserve router`` flags (a flag per field set; a
+    change rolls the router pods only)."""
+    settings = spec.router.settings
+    if settings is None:
+        return []
+    out: list[str] = []
+    for name, value in settings.model_dump(exclude_none=True, mode="json").items():
+        out += [f"--{name.replace('_', '-')}", str(value)]
+    return out
 
 
 def base_env() -> list[dict[str, Any]]:

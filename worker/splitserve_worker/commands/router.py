@@ -50,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-backend", choices=("grpc", "nixl"), default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--disaggregation", choices=("auto", "always", "never"), default=None)
+    p.add_argument("--default-max-tokens", type=int, default=None)
+    p.add_argument("--max-request-bytes", type=int, default=None)
+    p.add_argument("--max-retries", type=int, default=None)
     p.add_argument("--log-level", default="info")
 
 
@@ -71,8 +75,10 @@ def load_config(args: argparse.Namespace, **overrides: Any) -> Any:
         data["kv_backend"] = args.kv_backend
     if args.block_size:
         data["block_size"] = args.block_size
-    if args.max_model_len:
-        data["max_model_len"] = args.max_model_len
+    for name in ("max_model_len", "disaggregation", "default_max_tokens", "max_request_bytes",
+                 "max_retries"):  # fmt: skip
+        if getattr(args, name) is not None:
+            data[name] = getattr(args, name)
     data.update(overrides)
     if "max_model_len" not in data:  # what the workers serve, read from the model's config
         from splitserve_worker.models import model_context_limit
