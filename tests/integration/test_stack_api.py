@@ -4,6 +4,7 @@ and GuideLLM."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -89,6 +90,13 @@ def same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+def complete(base: str, **body: Any) -> httpx.Response:
+    """POST /v1/completions to the router at ``base``; the answer must be a 200."""
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r
+
+
 def test_echo_puts_the_prompt_before_the_completion(
     workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any
 ) -> None:
@@ -96,12 +104,7 @@ def test_echo_puts_the_prompt_before_the_completion(
     head = "Once upon a time"
     base_body = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
     with router(token, tokenizer, eps) as base:
-
-        def post(**extra: Any) -> httpx.Response:
-            r = httpx.post(f"{base}/v1/completions", json={**base_body, **extra}, timeout=120)
-            assert r.status_code == 200, r.text
-            return r
-
+        post = functools.partial(complete, base, **base_body)
         for prompt in (head, tokenizer(head)["input_ids"]):
             text = post(prompt=prompt, echo=True).json()["choices"][0]["text"]
             plain = post(prompt=prompt).json()["choices"][0]["text"]
@@ -213,12 +216,7 @@ def test_a_batch_of_prompts_is_answered_as_each_alone(
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2][:30]]
     base_body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
     with router(token, tokenizer, eps) as base:
-
-        def post(**extra: Any) -> httpx.Response:
-            r = httpx.post(f"{base}/v1/completions", json={**base_body, **extra}, timeout=120)
-            assert r.status_code == 200, r.text
-            return r
-
+        post = functools.partial(complete, base, **base_body)
         alone = [post(prompt=p).json()["choices"][0]["text"] for p in prompts]
         body = post(prompt=prompts, n=2).json()
         assert [c["index"] for c in body["choices"]] == list(range(6))
