@@ -20,6 +20,7 @@ from splitserve_worker.engine.metrics import EngineMetrics
 from splitserve_worker.engine.model_runner import Chunk, ModelRunner, model_shape
 from splitserve_worker.engine.prefix_cache import KVCacheEvent, block_hashes
 from splitserve_worker.engine.prompt_logprobs import PromptLogprobs
+from splitserve_worker.engine.request_checks import check_request
 from splitserve_worker.engine.reservations import Reservations
 from splitserve_worker.engine.sampling import (
     SampleRow,
@@ -28,7 +29,7 @@ from splitserve_worker.engine.sampling import (
     sample,
     top_logprobs,
 )
-from splitserve_worker.engine.scheduler import Scheduler, StepPlan, blocks_for
+from splitserve_worker.engine.scheduler import Scheduler, StepPlan
 from splitserve_worker.engine.sequence import (
     FinishReason,
     PrefillResult,
@@ -136,30 +137,9 @@ class Engine:
     def _check_request(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> None:
         if request_id in self._seqs or request_id in self._reserved:
             raise RequestError(f"request id {request_id!r} is already in use on this engine")
-        if not prompt:
-            raise RequestError("the prompt is empty: send at least one token")
-        sampling.validate()
-        vocab = self.shape.vocab_size
-        for what, ids in (("prompt", prompt), ("logit_bias", [t for t, _ in sampling.logit_bias])):
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise RequestError(
-                    f"{what} token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
-                )
-        total = len(prompt) + sampling.max_tokens
-        if total > self.max_model_len:
-            raise RequestError(
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({sampling.max_tokens}) is "
-                f"{total} tokens, over this model's limit of {self.max_model_len}: shorten the "
-                f"prompt or lower max_tokens"
-            )
-        if blocks_for(total, self.block_size) > self.kv.total_blocks:
-            raise RequestError(
-                f"prompt plus max_tokens ({total} tokens) needs "
-                f"{blocks_for(total, self.block_size)} KV blocks, more than this worker's whole "
-                f"cache ({self.kv.total_blocks} blocks of {self.block_size}): shorten the request "
-                f"or give the worker more KV memory"
-            )
+        check_request(prompt, sampling, vocab=self.shape.vocab_size,
+                      max_model_len=self.max_model_len, block_size=self.block_size,
+                      total_blocks=self.kv.total_blocks)  # fmt: skip
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
         """What the sampler needs to choose ``seq``'s next token."""
