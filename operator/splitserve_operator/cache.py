@@ -18,6 +18,8 @@ class ServiceCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._bodies: dict[Key, dict[str, Any]] = {}
+        self._gone: dict[Key, str] = {}
+        """The uid last seen deleted under each key (until a body comes back there)."""
 
     def observe(self, event_type: str | None, body: Mapping[str, Any]) -> Key:
         meta = body.get("metadata") or {}
@@ -25,9 +27,19 @@ class ServiceCache:
         with self._lock:
             if event_type == "DELETED":
                 self._bodies.pop(key, None)
+                self._gone[key] = str(meta.get("uid") or "")
             else:
                 self._bodies[key] = copy.deepcopy(dict(body))
+                self._gone.pop(key, None)
         return key
+
+    def deleted(self, body: Mapping[str, Any]) -> bool:
+        """Whether the watch saw this very object (its uid) deleted, and nothing of its
+        name since: a body read before that is stale."""
+        meta = body.get("metadata") or {}
+        key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+        with self._lock:
+            return key in self._gone and self._gone[key] == str(meta.get("uid") or "")
 
     def get(self, key: Key) -> dict[str, Any] | None:
         with self._lock:

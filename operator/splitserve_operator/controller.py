@@ -44,7 +44,12 @@ class Controller:
         return self.serializer.run(key, lambda: self._reconcile_latest(key, snapshot))
 
     def _reconcile_latest(self, key: Key, fallback: Mapping[str, Any]) -> Outcome:
-        return self.reconciler.reconcile(self.cache.get(key) or fallback)
+        body = self.cache.get(key)
+        if body is None and self.cache.deleted(fallback):
+            # a snapshot from before the delete: reconciling it would recreate what the
+            # garbage collector just took
+            return Outcome(skipped="deleted: its objects went with it")
+        return self.reconciler.reconcile(body or fallback)
 
     def nudge(self, key: Key) -> None:
         """Reconcile soon; coalesces with a run in progress. Errors are logged."""

@@ -15,7 +15,9 @@ kmock 0.8 stores objects as sent; :class:`KubeEmulator` adds, on every write:
   the main resource leave ``.status`` alone, a create drops it;
 - finalizers and ``deletionTimestamp``; and a garbage collector: deleting an object
   deletes the objects whose ``ownerReferences`` name its ``uid`` (background
-  cascading deletion), so owner references are checked by uid;
+  cascading deletion), so owner references are checked by uid, and an object created
+  naming an owner already deleted is collected at once (as the real collector does,
+  eventually);
 - ``faults``: callables that may refuse a write before it happens (``return
   KubernetesError(...)``), to inject API errors.
 

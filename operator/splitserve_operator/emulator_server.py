@@ -41,6 +41,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
     """Every request served, oldest first (kmock's own history is trimmed)."""
     _version: int = attrs.field(default=0, init=False)
     _deleted_at: dict[tuple[Any, Any, Any], int] = attrs.field(factory=dict, init=False)
+    _gone_uids: set[str] = attrs.field(factory=set, init=False)
+    """uids of deleted objects: a dependent created naming one is collected at once."""
     _write_lock: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
     _builtin_payloads: int = attrs.field(default=0, init=False)
 
@@ -212,6 +214,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
             self._objects[key] = data
         answer = copy.deepcopy(data)
         events.append((request.resource, {"type": "ADDED", "object": answer}))
+        owners = {ref.get("uid") for ref in meta.get("ownerReferences") or []
+                  if isinstance(ref, Mapping)}  # fmt: skip
+        if owners & self._gone_uids:  # its owner is gone: the collector takes it too
+            self._delete_key(key, events)
         return answer
 
     def _update(self, request: Request, events: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
@@ -308,6 +314,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     def _collect_garbage(self, uid: object, events: list[tuple[Any, dict[str, Any]]]) -> None:
         if not uid:
             return
+        self._gone_uids.add(str(uid))
         dependents = [
             key
             for key, obj in list(self._objects.items())

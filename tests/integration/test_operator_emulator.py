@@ -173,6 +173,9 @@ def test_garbage_collection_follows_owner_uids(kube_client) -> None:
     kube_client.delete(CONFIGMAP, "ns", "owner")
     assert kube_client.get(CONFIGMAP, "ns", "child") is None
     assert kube_client.get(CONFIGMAP, "ns", "stranger") is not None
+    # a dependent created after its owner went (a late writer) is collected too
+    late = kube_client.create(_cm("late", ownerReferences=[ref]))
+    assert late["metadata"]["uid"] and kube_client.get(CONFIGMAP, "ns", "late") is None
 
 
 def test_watch_streams_added_modified_deleted(kube, kube_client) -> None:
