@@ -8,6 +8,7 @@ worker *processes* is in ``test_kv_processes.py``.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,6 +26,9 @@ from splitserve_worker.server.app import RunningWorker, start_worker
 from splitserve_worker.server.client import WorkerClient
 from splitserve_worker.server.config import WorkerConfig
 from splitserve_worker.server.wire import auth_metadata
+
+sys.path.insert(0, str(Path(__file__).parent))
+from worker_kit import all_free
 
 pytestmark = pytest.mark.integration
 
@@ -82,15 +86,6 @@ async def disaggregated(p: WorkerClient, d: WorkerClient, rid: str, prompt: list
     return tokens, resp
 
 
-async def wait_all_free(c: WorkerClient, timeout: float = 10.0) -> pb.HealthResponse:
-    deadline = time.monotonic() + timeout
-    while True:
-        h = await c.health()
-        if (h.free_blocks == h.total_blocks and h.leases == 0) or time.monotonic() > deadline:
-            return h
-        await asyncio.sleep(0.05)
-
-
 def clients(ws: list[RunningWorker]) -> list[WorkerClient]:
     return [WorkerClient(w.address, TOKEN) for w in ws]
 
@@ -120,7 +115,7 @@ def test_disaggregated_tokens_match_colocated_in_process(
             got, _ = await disaggregated(p, b, "into-both", prompt, backend)
             assert got == ref
             for c in (p, d, b):
-                h = await wait_all_free(c)
+                h = await all_free(c)
                 assert h.free_blocks == h.total_blocks and h.leases == 0
 
     asyncio.run(scenario())
@@ -140,7 +135,7 @@ def test_expired_lease_frees_every_reserved_block(tiny_model_path: Path) -> None
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await gen
             assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-            h = await wait_all_free(d, 5.0)
+            h = await all_free(d, 5.0)
             assert (h.free_blocks, h.leases) == (total, 0)
 
     asyncio.run(scenario())
@@ -201,7 +196,7 @@ def test_compat_mismatch_is_refused_naming_the_difference(tiny_model_path: Path)
                     await stub.PushKV(bad(), metadata=auth_metadata(TOKEN))
                 assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
                 assert "compat hash deadbeef differs" in (e.value.details() or "")
-            h = await wait_all_free(d)
+            h = await all_free(d)
             assert h.free_blocks == h.total_blocks
 
     asyncio.run(scenario())
@@ -255,7 +250,7 @@ def test_injected_faults_fail_cleanly_and_leak_nothing(tiny_model_path: Path, fa
                 with pytest.raises(grpc.aio.AioRpcError):
                     await gen
                 for c in (p, d):
-                    h = await wait_all_free(c)
+                    h = await all_free(c)
                     assert (h.free_blocks, h.leases) == (h.total_blocks, 0)
             finally:
                 await pw.stop(grace=0.2)
