@@ -13,6 +13,8 @@ from typing import Protocol
 
 from splitserve.v1 import worker_pb2 as pb
 
+from splitserve_worker.server.convert import top_from_proto
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -54,7 +56,7 @@ class PromptScores:
         if not chunk.HasField("prompt_logprobs"):
             return None
         p = chunk.prompt_logprobs
-        tops = tuple(list(zip(t.token_ids, t.logprobs, strict=True)) for t in p.top_logprobs)
+        tops = tuple(top_from_proto(t) for t in p.top_logprobs)
         return cls(tuple(p.logprobs), tops, tuple(p.ranks))
 
 
