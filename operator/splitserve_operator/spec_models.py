@@ -171,6 +171,39 @@ class PoolSpec(_Model):
         return value
 
 
+Seconds = Annotated[float, Field(gt=0, le=86_400)]
+
+
+class RouterQueues(_Model):
+    """The router's two bounded queues (its ``queues`` config section)."""
+
+    prefill_max_waiting: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    """Requests waiting for a prefill slot; more get 429."""
+    decode_max_waiting: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    """Requests waiting for a decode slot; more get 429."""
+    prefill_slots_per_worker: Annotated[int, Field(ge=1, le=1024)] | None = None
+    decode_slots_per_worker: Annotated[int, Field(ge=1, le=4096)] | None = None
+    max_wait_seconds: Annotated[float, Field(gt=0, le=3600)] | None = None
+    """Longest wait in one queue before a 503."""
+    retry_after_seconds: Annotated[int, Field(ge=1, le=3600)] | None = None
+    """Retry-After of the 429 and 503 answers."""
+
+
+class RouterTimeouts(_Model):
+    """The router's bounds on each wait (its ``timeouts`` config section)."""
+
+    connect_seconds: Seconds | None = None
+    """Control calls to workers: Health, Reserve, Release, Cancel."""
+    prefill_seconds: Seconds | None = None
+    """One remote prefill, its KV push included."""
+    first_token_seconds: Seconds | None = None
+    inter_token_seconds: Seconds | None = None
+    """Longest gap between two tokens before the worker counts as lost."""
+    request_seconds: Seconds | None = None
+    """A whole request, end to end."""
+    health_interval_seconds: Annotated[float, Field(gt=0, le=600)] | None = None
+
+
 class RouterSettings(_Model):
     """What the router does with requests; each one left out keeps the router's default
     (``splitserve router --help``)."""
@@ -182,6 +215,8 @@ class RouterSettings(_Model):
     default_max_tokens: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     max_request_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] | None = None
     max_retries: Annotated[int, Field(ge=0, le=10)] | None = None
+    queues: RouterQueues | None = None
+    timeouts: RouterTimeouts | None = None
 
 
 class RouterSpec(PoolSpec):

@@ -181,6 +181,21 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
         {"router": {"settings": {"maxRequestBytes": 10}}},
         "spec.router.settings.maxRequestBytes",
     ),
+    (
+        "no queue wait",
+        {"router": {"settings": {"queues": {"maxWaitSeconds": 0}}}},
+        "spec.router.settings.queues.maxWaitSeconds",
+    ),
+    (
+        "fractional queue depth",
+        {"router": {"settings": {"queues": {"decodeMaxWaiting": 2.5}}}},
+        "spec.router.settings.queues.decodeMaxWaiting",
+    ),
+    (
+        "negative timeout",
+        {"router": {"settings": {"timeouts": {"interTokenSeconds": -1}}}},
+        "spec.router.settings.timeouts.interTokenSeconds",
+    ),
 ]
 
 

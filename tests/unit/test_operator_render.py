@@ -148,25 +148,67 @@ def _router_service_type() -> None:
 ROUTER_SETTINGS = {"disaggregation": "never", "maxModelLen": 2048, "defaultMaxTokens": 64,
                    "maxRequestBytes": 1 << 20, "maxRetries": 0}  # fmt: skip
 
+ROUTER_SECTIONS: dict[str, dict[str, Any]] = {
+    "queues": {"prefillMaxWaiting": 7, "decodeMaxWaiting": 9, "prefillSlotsPerWorker": 3,
+               "decodeSlotsPerWorker": 5, "maxWaitSeconds": 2.5, "retryAfterSeconds": 4},
+    "timeouts": {"connectSeconds": 1.5, "prefillSeconds": 11, "firstTokenSeconds": 12,
+                 "interTokenSeconds": 13.5, "requestSeconds": 140,
+                 "healthIntervalSeconds": 0.25},
+}  # fmt: skip
+"""Each field of a router settings section and where it lands in the router's config."""
+ROUTER_SECTION_KEYS = {
+    "maxWaitSeconds": "max_wait_s", "retryAfterSeconds": "retry_after_s",
+    "connectSeconds": "connect_s", "prefillSeconds": "prefill_s",
+    "firstTokenSeconds": "first_token_s", "interTokenSeconds": "inter_token_s",
+    "requestSeconds": "request_s", "healthIntervalSeconds": "health_interval_s",
+}  # fmt: skip
+
+
+def _snake(field: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in field)
+
+
+def _router_config(objs: dict[str, Any]) -> Any:
+    """The config the router builds from the args the operator wrote (parsed by its own
+    CLI), as it would at start."""
+    import argparse
+
+    from splitserve_worker.commands import router as router_cmd
+
+    args = container(objs, "router")["args"]
+    parser = argparse.ArgumentParser()
+    router_cmd.add_arguments(parser)
+    parsed = parser.parse_args(args[1:])
+    return parsed, router_cmd.load_config(parsed, max_model_len=parsed.max_model_len or 4096)
+
 
 def _router_setting(field: str) -> Callable[[], None]:
     def check() -> None:
-        import argparse
-
-        from splitserve_worker.commands import router as router_cmd
-
         value = ROUTER_SETTINGS[field]
         objs = objects({"router": {"settings": {field: value}}})
-        args = container(objs, "router")["args"]
-        parser = argparse.ArgumentParser()
-        router_cmd.add_arguments(parser)
         # the flag the operator writes is one the router's CLI reads, as that value
-        parsed = vars(parser.parse_args(args[1:]))
-        snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in field)
-        assert parsed[snake] == value
+        parsed, cfg = _router_config(objs)
+        assert vars(parsed)[_snake(field)] == value
+        assert getattr(cfg, _snake(field)) == value
         base = objects()
-        assert "--" + snake.replace("_", "-") not in container(base, "router")["args"]
+        assert "--" + _snake(field).replace("_", "-") not in container(base, "router")["args"]
         # the router rolls, the workers do not
+        for pool in ("prefill", "decode"):
+            assert objs[f"Deployment/demo-{pool}"] == base[f"Deployment/demo-{pool}"]
+
+    return check
+
+
+def _router_section(section: str, field: str) -> Callable[[], None]:
+    def check() -> None:
+        value = ROUTER_SECTIONS[section][field]
+        objs = objects({"router": {"settings": {section: {field: value}}}})
+        _, cfg = _router_config(objs)
+        key = ROUTER_SECTION_KEYS.get(field, _snake(field))
+        assert getattr(getattr(cfg, section), key) == value
+        _, default = _router_config(objects())
+        assert getattr(getattr(default, section), key) != value
+        base = objects()
         for pool in ("prefill", "decode"):
             assert objs[f"Deployment/demo-{pool}"] == base[f"Deployment/demo-{pool}"]
 
@@ -182,6 +224,8 @@ def _kv_backend() -> None:
 def _kv_lease() -> None:
     objs = objects({"kvTransfer": {"leaseSeconds": 12}})
     assert arg(objs, "decode", "--lease-seconds") == "12"
+    # the router asks that lease in its Reserve calls (a lease it names wins the worker's)
+    assert _router_config(objs)[1].timeouts.lease_s == 12
 
 
 def _planner_only() -> None:
@@ -282,6 +326,11 @@ FIELD_CHECKS: dict[str, Callable[[], None]] = {
     },
     "router.serviceType": _router_service_type,
     **{f"router.settings.{field}": _router_setting(field) for field in ROUTER_SETTINGS},
+    **{
+        f"router.settings.{section}.{field}": _router_section(section, field)
+        for section, fields in ROUTER_SECTIONS.items()
+        for field in fields
+    },
     "kvTransfer.backend": _kv_backend,
     "kvTransfer.leaseSeconds": _kv_lease,
     "slo.ttftSeconds": _planner_only,

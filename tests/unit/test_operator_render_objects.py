@@ -168,6 +168,8 @@ def test_command_lines() -> None:
         "splitserve.io/role",
         "--kv-backend",
         "grpc",
+        "--lease-seconds",
+        "30",
         "--token-file",
         TOKEN_FILE,
     ]

@@ -58,3 +58,34 @@ def test_router_settings_flags_reach_its_config(tmp_path: Path) -> None:
     assert (cfg.max_request_bytes, cfg.max_retries) == (4096, 0)
     with pytest.raises(ValueError, match="max_request_bytes"):
         router_cmd.load_config(_args(tmp_path, max_request_bytes=0))
+
+
+def test_set_reaches_any_setting_and_says_what_is_wrong(tmp_path: Path) -> None:
+    """``--set`` (what the operator writes for ``spec.router.settings.queues`` /
+    ``timeouts``) over the config file; ``--lease-seconds`` is ``timeouts.lease_s``."""
+    LlamaConfig(max_position_embeddings=1024).save_pretrained(tmp_path)
+    settings = tmp_path / "router.json"
+    settings.write_text(json.dumps({"queues": {"max_wait_s": 9, "retry_after_s": 2}}))
+    p = argparse.ArgumentParser()
+    router_cmd.add_arguments(p)
+    base = ["--model", str(tmp_path), "--config", str(settings)]
+    args = p.parse_args([*base, "--set", "queues.max_wait_s=2.5", "--set",
+                         "cost.max_decode_stall_s=0.2", "--lease-seconds", "45"])  # fmt: skip
+    cfg = router_cmd.load_config(args)
+    assert (cfg.queues.max_wait_s, cfg.queues.retry_after_s) == (2.5, 2)
+    assert cfg.cost.max_decode_stall_s == 0.2
+    assert cfg.timeouts.lease_s == 45
+    assert router_cmd.load_config(p.parse_args(base)).timeouts.lease_s == 30
+
+    def refused(*sets: str) -> str:
+        args = p.parse_args([*base, *(x for s in sets for x in ("--set", s))])
+        with pytest.raises(ValueError) as e:
+            router_cmd.load_config(args)
+        return str(e.value)
+
+    assert "queues.max_wait_s must be > 0" in refused("queues.max_wait_s=0")
+    assert "unknown setting(s) ['max_wait']" in refused("queues.max_wait=3")
+    assert "SECTION.KEY=VALUE" in refused("queues.max_wait_s")
+    assert "block_size is a value, not a section" in refused("block_size.x=1")
+    assert "queues is a section: give its fields" in refused("queues=3")
+    assert "bad value" in refused("queues.max_wait_s=soon")

@@ -90,6 +90,8 @@ def router_args(spec: InferenceServiceSpec, namespace: str, selector: str) -> li
         ROLE_LABEL,
         "--kv-backend",
         spec.kv_transfer.backend.value,
+        "--lease-seconds",
+        str(spec.kv_transfer.lease_seconds),
         "--token-file",
         TOKEN_FILE,
         *router_setting_args(spec),
@@ -98,14 +100,26 @@ def router_args(spec: InferenceServiceSpec, namespace: str, selector: str) -> li
 
 def router_setting_args(spec: InferenceServiceSpec) -> list[str]:
     """``spec.router.settings`` as ``splitserve router`` flags (a flag per field set; a
-    change rolls the router pods only)."""
+    change rolls the router pods only). A section (``queues``, ``timeouts``) becomes
+    ``--set section.key=value`` per field, its ``...Seconds`` fields the config's ``..._s``."""
     settings = spec.router.settings
     if settings is None:
         return []
     out: list[str] = []
     for name, value in settings.model_dump(exclude_none=True, mode="json").items():
-        out += [f"--{name.replace('_', '-')}", str(value)]
+        if isinstance(value, dict):
+            for key, v in value.items():
+                out += ["--set", f"{router_config_key(name, key)}={v}"]
+        else:
+            out += [f"--{name.replace('_', '-')}", str(value)]
     return out
+
+
+def router_config_key(section: str, field: str) -> str:
+    """The router config's dotted key for a field of a settings section."""
+    if field.endswith("_seconds"):
+        field = field.removesuffix("_seconds") + "_s"
+    return f"{section}.{field}"
 
 
 def base_env() -> list[dict[str, Any]]:

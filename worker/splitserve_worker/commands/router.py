@@ -54,6 +54,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-max-tokens", type=int, default=None)
     p.add_argument("--max-request-bytes", type=int, default=None)
     p.add_argument("--max-retries", type=int, default=None)
+    p.add_argument(
+        "--lease-seconds",
+        type=float,
+        default=None,
+        help="lease asked for the decode blocks reserved for a remote prefill "
+        "(timeouts.lease_s; the workers' --lease-seconds)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="any other setting of the config, e.g. queues.max_wait_s=10 "
+        "(repeatable; over --config, under the flags above)",
+    )
     p.add_argument("--log-level", default="info")
 
 
@@ -70,6 +85,8 @@ def load_config(args: argparse.Namespace, **overrides: Any) -> Any:
             data = yaml.safe_load(text) or {}
         else:
             data = json.loads(text)
+    for item in args.set:
+        set_path(data, item)
     data["model_name"] = args.served_model_name or args.model
     if args.kv_backend:
         data["kv_backend"] = args.kv_backend
@@ -79,12 +96,37 @@ def load_config(args: argparse.Namespace, **overrides: Any) -> Any:
                  "max_retries"):  # fmt: skip
         if getattr(args, name) is not None:
             data[name] = getattr(args, name)
+    if args.lease_seconds is not None:
+        set_path(data, f"timeouts.lease_s={args.lease_seconds}")
     data.update(overrides)
     if "max_model_len" not in data:  # what the workers serve, read from the model's config
         from splitserve_worker.models import model_context_limit
 
         data["max_model_len"] = model_context_limit(args.model)
     return RouterConfig.from_mapping(data)
+
+
+def set_path(data: dict[str, Any], item: str) -> None:
+    """Apply one ``--set SECTION.KEY=VALUE`` to the config mapping: the value is read as
+    JSON (numbers, true/false) or else taken as text; the config's own checks judge it."""
+    from splitserve_worker.router.config import ConfigError
+
+    key, sep, raw = item.partition("=")
+    path = key.strip().split(".")
+    if not sep or not all(path):
+        raise ConfigError(
+            f"--set takes SECTION.KEY=VALUE (e.g. queues.max_wait_s=10), got {item!r}"
+        )
+    try:
+        value: Any = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    node = data
+    for i, part in enumerate(path[:-1]):
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {'.'.join(path[: i + 1])} is a value, not a section")
+    node[path[-1]] = value
 
 
 def read_secret(path: str | None, env: str) -> str | None:

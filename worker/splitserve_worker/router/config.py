@@ -209,10 +209,11 @@ def _build(cls: Any, data: Mapping[str, Any], where: str) -> Any:
     for name, value in data.items():
         default = cls.__dataclass_fields__[name].default_factory  # type: ignore[misc]
         target = default if callable(default) else None
-        if target is not None and is_dataclass(target) and isinstance(value, Mapping):
-            kwargs[name] = _build(target, value, f"{where}{name}.")
-        else:
-            kwargs[name] = value
+        section = target is not None and is_dataclass(target)
+        if section != isinstance(value, Mapping):
+            what = "a section: give its fields" if section else "a value, not a section"
+            raise ConfigError(f"{where}{name} is {what}")
+        kwargs[name] = _build(target, value, f"{where}{name}.") if section else value
     try:
         return cls(**kwargs)
     except TypeError as e:
