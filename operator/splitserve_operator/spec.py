@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from splitserve_operator.spec_models import (
     Affinity,
     AutoscalingSpec,
+    EngineSettings,
     EnvVar,
     InferenceServiceSpec,
     KvTransferSpec,
@@ -38,6 +39,7 @@ from splitserve_operator.spec_models import (
     RouterSpec,
     SloSpec,
     Toleration,
+    WorkerPoolSpec,
 )
 from splitserve_operator.spec_values import (
     ENV_NAME_PATTERN,
@@ -59,6 +61,7 @@ from splitserve_operator.spec_values import (
     ServiceType,
     TaintEffect,
     TolerationOperator,
+    quantity_bytes,
 )
 
 __all__ = [
@@ -77,6 +80,7 @@ __all__ = [
     "Affinity",
     "AutoscalingSpec",
     "Dtype",
+    "EngineSettings",
     "EnvVar",
     "InferenceServiceSpec",
     "KvBackend",
@@ -97,8 +101,10 @@ __all__ = [
     "TaintEffect",
     "Toleration",
     "TolerationOperator",
+    "WorkerPoolSpec",
     "check_name",
     "parse_spec",
+    "quantity_bytes",
 ]
 
 

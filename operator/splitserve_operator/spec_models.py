@@ -20,6 +20,8 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from splitserve_operator.spec_values import (
+    ENGINE_MAX_BATCH_TOKENS,
+    ENGINE_MAX_NUM_SEQS,
     ENV_NAME_PATTERN,
     GPU_RESOURCE,
     LABEL_KEY_PATTERN,
@@ -36,11 +38,13 @@ from splitserve_operator.spec_values import (
     ServiceType,
     TaintEffect,
     TolerationOperator,
+    quantity_bytes,
 )
 
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 Quantity = int | str
 """Checked against :data:`QUANTITY_PATTERN` by the model that holds it."""
+MIN_KV_CACHE_BYTES = 1 << 20
 
 
 class _Model(BaseModel):
@@ -171,6 +175,46 @@ class PoolSpec(_Model):
         return value
 
 
+class EngineSettings(_Model):
+    """How a worker pool's engines batch and size their KV pool (``splitserve worker``
+    flags); each one left out keeps the worker's default."""
+
+    max_num_seqs: Annotated[int, Field(ge=1, le=4096)] | None = None
+    """Most sequences in a running batch."""
+    max_batch_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    """Most tokens (prefill and decode together) computed in one step."""
+    prefill_chunk_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    """Prompt tokens per step while other sequences decode."""
+    gpu_memory_fraction: Annotated[float, Field(gt=0, le=1)] | None = None
+    """Share of the GPU memory left after the weights that the KV pool takes."""
+    kv_cache_memory: Quantity | None = None
+    """The KV pool's size as a quantity (``8Gi``); overrides ``gpuMemoryFraction``."""
+    threads: Annotated[int, Field(ge=1, le=512)] | None = None
+    """torch CPU threads per worker."""
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _memory(cls, value: Quantity | None) -> Quantity | None:
+        if value is not None and quantity_bytes(value) < MIN_KV_CACHE_BYTES:
+            raise ValueError(f"must be at least 1Mi (got {value!r})")
+        return value
+
+    @model_validator(mode="after")
+    def _batch_holds_the_sequences(self) -> EngineSettings:
+        seqs = self.max_num_seqs or ENGINE_MAX_NUM_SEQS
+        tokens = self.max_batch_tokens or ENGINE_MAX_BATCH_TOKENS
+        if tokens < seqs:
+            raise ValueError(
+                f"maxBatchTokens ({tokens}) must be at least maxNumSeqs ({seqs}): every "
+                "running sequence decodes one token per step"
+            )
+        return self
+
+
+class WorkerPoolSpec(PoolSpec):
+    engine: EngineSettings | None = None
+
+
 Seconds = Annotated[float, Field(gt=0, le=86_400)]
 
 
@@ -296,8 +340,8 @@ class InferenceServiceSpec(_Model):
     image: Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=r"^\S+$")]
     image_pull_policy: PullPolicy | None = None
     image_pull_secrets: list[dict[str, str]] | None = None
-    prefill: PoolSpec = PoolSpec()
-    decode: PoolSpec = PoolSpec()
+    prefill: WorkerPoolSpec = WorkerPoolSpec()
+    decode: WorkerPoolSpec = WorkerPoolSpec()
     router: RouterSpec = RouterSpec()
     kv_transfer: KvTransferSpec = KvTransferSpec()
     slo: SloSpec = SloSpec()
@@ -323,6 +367,11 @@ class InferenceServiceSpec(_Model):
         if self.autoscaling.decode.min_replicas < 1 and self.autoscaling.enabled:
             raise ValueError("autoscaling.decode.minReplicas must be at least 1")
         return self
+
+    def worker_pool(self, pool: Pool) -> WorkerPoolSpec:
+        if pool not in (Pool.PREFILL, Pool.DECODE):
+            raise ValueError(f"{pool} is not a worker pool")
+        return self.prefill if pool == Pool.PREFILL else self.decode
 
     def pool(self, pool: Pool) -> PoolSpec:
         return {Pool.PREFILL: self.prefill, Pool.DECODE: self.decode, Pool.ROUTER: self.router}[

@@ -7,7 +7,9 @@ Pure constants: the models in :mod:`splitserve_operator.spec_models` use them.
 
 from __future__ import annotations
 
+import math
 import re
+from decimal import Decimal
 from enum import StrEnum
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -37,6 +39,34 @@ URL_PATTERN = re.compile(r"^https?://[^\s/$.?#][^\s]*$")
 
 MAX_REPLICAS = 1000
 MAX_GPUS_PER_POD = 16
+
+ENGINE_MAX_NUM_SEQS = 64
+ENGINE_MAX_BATCH_TOKENS = 2048
+"""The worker's own defaults for ``--max-num-seqs`` / ``--max-batch-tokens``: a pool's
+``engine`` that sets one is checked against the other's default (a test keeps these
+equal to the worker's)."""
+
+_QUANTITY_SUFFIX = {
+    **{s: 1024**i for i, s in enumerate(("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+    **{s: 1000**i for i, s in enumerate(("", "k", "M", "G", "T", "P", "E")) if s},
+    "m": Decimal("0.001"),
+    "u": Decimal("0.000001"),
+    "n": Decimal("0.000000001"),
+}
+
+
+def quantity_bytes(quantity: int | str) -> int:
+    """A Kubernetes quantity (``8Gi``, ``500M``, ``1e9``, ``4096``) as a whole number,
+    rounded up as Kubernetes rounds memory. Raises ValueError when it is not one."""
+    if isinstance(quantity, bool):
+        raise ValueError(f"{quantity!r} is not a quantity such as 4Gi")
+    if isinstance(quantity, int):
+        return quantity
+    if not QUANTITY_PATTERN.match(quantity):
+        raise ValueError(f"{quantity!r} is not a quantity such as 4Gi")
+    number = quantity.rstrip("KMGTPEikmun")
+    suffix = quantity[len(number) :]
+    return math.ceil(Decimal(number) * Decimal(_QUANTITY_SUFFIX[suffix]))
 
 
 class Pool(StrEnum):

@@ -182,6 +182,22 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
         "spec.router.settings.maxRequestBytes",
     ),
     (
+        "batch below its sequences",
+        {"decode": {"engine": {"maxNumSeqs": 128, "maxBatchTokens": 64}}},
+        "maxBatchTokens must be at least maxNumSeqs",
+    ),
+    (
+        "batch below the default sequences",
+        {"prefill": {"engine": {"maxBatchTokens": 32}}},
+        "maxBatchTokens must be at least maxNumSeqs",
+    ),
+    ("kv cache as words", {"decode": {"engine": {"kvCacheMemory": "lots"}}}, "kvCacheMemory"),
+    (
+        "gpu share above one",
+        {"decode": {"engine": {"gpuMemoryFraction": 1.5}}},
+        "spec.decode.engine.gpuMemoryFraction",
+    ),
+    (
         "no queue wait",
         {"router": {"settings": {"queues": {"maxWaitSeconds": 0}}}},
         "spec.router.settings.queues.maxWaitSeconds",

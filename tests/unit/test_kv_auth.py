@@ -51,3 +51,9 @@ def test_worker_config_checks_fields_and_hides_token() -> None:
         WorkerConfig(role="decode", model="m")
     with pytest.raises(ConfigError, match="--kv-backend"):
         WorkerConfig(role="decode", model="m", token="t", kv_backend="rdma")
+    with pytest.raises(ConfigError, match=r"--max-batch-tokens \(32\) must be >= --max-num-seqs"):
+        WorkerConfig(role="decode", model="m", token="t", max_batch_tokens=32)
+    with pytest.raises(ConfigError, match="--gpu-memory-fraction"):
+        WorkerConfig(role="decode", model="m", token="t", gpu_memory_fraction=0)
+    with pytest.raises(ConfigError, match="--prefill-chunk-tokens"):
+        WorkerConfig(role="decode", model="m", token="t", prefill_chunk_tokens=0)

@@ -215,6 +215,41 @@ def _router_section(section: str, field: str) -> Callable[[], None]:
     return check
 
 
+ENGINE_SETTINGS: dict[str, tuple[Any, Any]] = {
+    "maxNumSeqs": (128, 128), "maxBatchTokens": (4096, 4096), "prefillChunkTokens": (256, 256),
+    "gpuMemoryFraction": (0.9, 0.9), "kvCacheMemory": ("2Gi", 2 << 30), "threads": (4, 4),
+}  # fmt: skip
+"""Each engine field as written in the spec, and the value the engine gets."""
+
+
+def _engine_setting(pool: str, field: str) -> Callable[[], None]:
+    def check() -> None:
+        import argparse
+
+        from splitserve_worker.commands import worker as worker_cmd
+        from splitserve_worker.server.config import WorkerConfig
+
+        written, value = ENGINE_SETTINGS[field]
+        objs = objects({pool: {"engine": {field: written}}})
+        parser = argparse.ArgumentParser()
+        worker_cmd.add_arguments(parser)
+        # the worker's own CLI reads the flag, and its engine gets the value
+        parsed = vars(parser.parse_args(container(objs, pool)["args"][1:]))
+        names = ("max_num_seqs", "max_batch_tokens", "prefill_chunk_tokens",
+                 "gpu_memory_fraction", "kv_cache_memory", "threads")  # fmt: skip
+        kw = {k: parsed[k] for k in names}
+        engine = vars(WorkerConfig(role=pool, model="m", token="t", **kw).engine_config())
+        name = "num_threads" if field == "threads" else _snake(field)
+        assert engine[name] == value
+        default = vars(parser.parse_args(container(objects(), pool)["args"][1:]))
+        assert default[_snake(field)] != parsed[_snake(field)]
+        # only this pool's workers roll
+        other = "decode" if pool == "prefill" else "prefill"
+        assert objs[f"Deployment/demo-{other}"] == objects()[f"Deployment/demo-{other}"]
+
+    return check
+
+
 def _kv_backend() -> None:
     objs = objects({"kvTransfer": {"backend": "nixl"}})
     assert arg(objs, "prefill", "--kv-backend") == arg(objs, "decode", "--kv-backend") == "nixl"
@@ -323,6 +358,11 @@ FIELD_CHECKS: dict[str, Callable[[], None]] = {
             "affinity",
             "env",
         )
+    },
+    **{
+        f"{pool}.engine.{field}": _engine_setting(pool, field)
+        for pool in ("prefill", "decode")
+        for field in ENGINE_SETTINGS
     },
     "router.serviceType": _router_service_type,
     **{f"router.settings.{field}": _router_setting(field) for field in ROUTER_SETTINGS},

@@ -150,3 +150,41 @@ def test_names_must_fit_in_service_names() -> None:
     assert "at most 48 characters" in check_name("a" * 49)[0]
     assert check_name("9lives") and check_name("has.dot") and check_name("trailing-")
     assert check_name(None) == ["metadata.name: missing"]
+
+
+def test_engine_settings_defaults_and_sizes() -> None:
+    """A pool's ``engine`` is checked against the worker's own defaults, as the CRD's rule
+    is; the KV size is a quantity, at least 1Mi."""
+    from splitserve_operator.crd_validation import load_crd, schema_of
+    from splitserve_operator.spec import quantity_bytes
+    from splitserve_operator.spec_values import ENGINE_MAX_BATCH_TOKENS, ENGINE_MAX_NUM_SEQS
+    from splitserve_worker.engine.config import EngineConfig
+    from splitserve_worker.server.config import WorkerConfig
+
+    for cfg in (EngineConfig(), WorkerConfig(role="decode", model="m", token="t")):
+        assert (cfg.max_num_seqs, cfg.max_batch_tokens) == (
+            ENGINE_MAX_NUM_SEQS,
+            ENGINE_MAX_BATCH_TOKENS,
+        )
+    pools = schema_of(load_crd())["properties"]["spec"]["properties"]
+    (rule,) = pools["decode"]["properties"]["engine"]["x-kubernetes-validations"]
+    assert f": {ENGINE_MAX_BATCH_TOKENS})" in rule["rule"]
+    assert f": {ENGINE_MAX_NUM_SEQS})" in rule["rule"]
+
+    spec = parse_spec({**MINIMAL, "decode": {"engine": {"maxNumSeqs": 2048}}}, name="demo")
+    assert spec.decode.engine is not None and spec.decode.engine.max_num_seqs == 2048
+    assert spec.prefill.engine is None
+    assert any(
+        "maxBatchTokens (2048) must be at least maxNumSeqs (4096)" in p
+        for p in problems({**MINIMAL, "decode": {"engine": {"maxNumSeqs": 4096}}})
+    )
+    assert any(
+        "spec.prefill.engine.kvCacheMemory" in p and "at least 1Mi" in p
+        for p in problems({**MINIMAL, "prefill": {"engine": {"kvCacheMemory": "512Ki"}}})
+    )
+    sizes = {"8Gi": 8 << 30, "500M": 500_000_000, "1e3": 1000, 4096: 4096, "1.5Ki": 1536,
+             "100m": 1}  # fmt: skip
+    assert {q: quantity_bytes(q) for q in sizes} == sizes
+    for bad in ("lots", "1.5.2Gi", True):
+        with pytest.raises(ValueError, match="not a quantity"):
+            quantity_bytes(bad)  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitserve_operator.spec import InferenceServiceSpec, Pool
+from splitserve_operator.spec import InferenceServiceSpec, Pool, quantity_bytes
 
 EXECUTABLE = "splitserve"
 """The console script the worker image puts on PATH."""
@@ -64,7 +64,22 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
         TOKEN_FILE,
         "--metrics-port",
         str(WORKER_METRICS_PORT),
+        *engine_args(spec, pool),
     ]
+
+
+def engine_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
+    """The pool's ``engine`` settings as ``splitserve worker`` flags (one per field set;
+    ``kvCacheMemory`` in bytes)."""
+    engine = spec.worker_pool(pool).engine
+    if engine is None:
+        return []
+    out: list[str] = []
+    for name, value in engine.model_dump(exclude_none=True).items():
+        if name == "kv_cache_memory":
+            value = quantity_bytes(value)
+        out += [f"--{name.replace('_', '-')}", str(value)]
+    return out
 
 
 def router_args(spec: InferenceServiceSpec, namespace: str, selector: str) -> list[str]:

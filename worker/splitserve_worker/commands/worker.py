@@ -58,6 +58,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in a batch")
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=2048,
+        help="most tokens (prefill and decode together) computed in one step",
+    )
+    p.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=512,
+        help="prompt tokens per step while others decode (long prompts go in chunks)",
+    )
+    p.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        default=0.5,
+        help="share of the GPU memory left after the weights that the KV pool takes "
+        "(unless --kv-cache-memory or --num-blocks)",
+    )
     p.add_argument("--checksums", action="store_true", help="crc32 every pushed KV layer")
     p.add_argument(
         "--kv-streams",
@@ -109,6 +128,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         checksums=args.checksums,
         kv_streams=args.kv_streams,
         max_num_seqs=args.max_num_seqs,
+        max_batch_tokens=args.max_batch_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
+        gpu_memory_fraction=args.gpu_memory_fraction,
         faults=FaultConfig.from_env(),
     )
 

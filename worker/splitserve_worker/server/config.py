@@ -52,6 +52,10 @@ class WorkerConfig:
     more, else 1)."""
     max_num_seqs: int = 64
     max_batch_tokens: int = 2048
+    prefill_chunk_tokens: int = 512
+    gpu_memory_fraction: float = 0.5
+    """Share of the GPU memory free after the weights that the KV pool takes (unless
+    ``kv_cache_memory`` or ``num_blocks``)."""
     faults: FaultConfig = field(default_factory=FaultConfig)
     transfer_timeout_s: float = 120.0
     """Longest a prefill worker waits for the decode side to acknowledge a push."""
@@ -77,6 +81,21 @@ class WorkerConfig:
             raise ConfigError(
                 f"--kv-streams must be 0 (by core count) to {MAX_STREAMS}, got {self.kv_streams}"
             )
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_batch_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"--max-batch-tokens ({self.max_batch_tokens}) must be >= --max-num-seqs "
+                f"({self.max_num_seqs}): every running sequence decodes in one step"
+            )
+        if self.prefill_chunk_tokens < 1:
+            raise ConfigError(
+                f"--prefill-chunk-tokens must be >= 1, got {self.prefill_chunk_tokens}"
+            )
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ConfigError(
+                f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}"
+            )
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         if not self.token:
@@ -101,6 +120,8 @@ class WorkerConfig:
             num_blocks=self.num_blocks,
             max_num_seqs=self.max_num_seqs,
             max_batch_tokens=self.max_batch_tokens,
+            prefill_chunk_tokens=self.prefill_chunk_tokens,
+            gpu_memory_fraction=self.gpu_memory_fraction,
             dtype=self.dtype,
             device=self.device,
             num_threads=self.threads,
