@@ -37,10 +37,8 @@ def prefill_export(
     engine._check_request(request_id, prompt, check)
     seq = engine._new_seq(request_id, prompt, sampling)
     bs = engine.block_size
-    hit: list[int] = []
     blocks = engine.kv.blocks
-    if engine.config.enable_prefix_cache and sampling.prompt_logprobs is None:
-        hit = blocks.lookup(seq.full_block_hashes(bs)[: (len(prompt) - 1) // bs])
+    hit = engine.scheduler.cached_prefix(seq)
     need = blocks_for(len(prompt), bs) - len(hit)
     reclaimed = sum(1 for b in hit if blocks.refcount(b) == 0)
     if need + reclaimed > blocks.free_blocks:

@@ -174,17 +174,22 @@ class Scheduler:
         if self._on_preempt is not None:
             self._on_preempt(seq)
 
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks holding a prefix of ``seq``'s tokens (none when the cache is
+        off, or when the request scores its prompt: cached positions have no logits).
+        At least one token is always left to compute, for the logits of the last one."""
+        if not self.config.enable_prefix_cache or seq.params.prompt_logprobs is not None:
+            return []
+        hashes = seq.full_block_hashes(self.bs)[: (len(seq.tokens) - 1) // self.bs]
+        return self.blocks.lookup(hashes)
+
     def _admit(self, seq: Sequence, n_max: int, plan: StepPlan) -> int:
         """Give a waiting sequence its cached prefix and blocks for its first chunk.
 
         Returns the number of tokens scheduled, or 0 if it must keep waiting.
         """
-        hit: list[int] = []
+        hit = self.cached_prefix(seq)
         total = len(seq.tokens)
-        if self.config.enable_prefix_cache and seq.params.prompt_logprobs is None:
-            # at least one token is always computed, to get the logits of the last one
-            hashes = seq.full_block_hashes(self.bs)[: (total - 1) // self.bs]
-            hit = self.blocks.lookup(hashes)
         cached = len(hit) * self.bs
         n = min(total - cached, n_max)
         need = blocks_for(cached + n, self.bs) - len(hit)
