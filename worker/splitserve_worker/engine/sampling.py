@@ -14,10 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve_worker.engine.errors import RequestError
-
-MAX_TOP_LOGPROBS = 20
-MAX_LOGIT_BIAS = 100.0
-"""A logit bias is within +-this (OpenAI's range: -100 bans a token, 100 all but forces it)."""
+from splitserve_worker.request_limits import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 TopLogprobs = list[tuple[int, float]]
 """The most likely tokens at one position, with their log-probabilities, best first."""

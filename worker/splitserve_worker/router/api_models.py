@@ -11,16 +11,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from splitserve_worker.request_limits import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
-MAX_TOP_LOGPROBS = 20
-"""Most alternatives per position a request may ask for (``logprobs`` / ``top_logprobs``)."""
 MAX_CHOICES = 16
 """Most choices (``n``) per request: each is a request of its own on the workers."""
 MAX_COMPLETIONS = 64
 """Most completions per request, prompts of a batch times ``n``."""
-MAX_LOGIT_BIAS = 100.0
-"""A logit bias is within +-this, as OpenAI's (-100 bans a token)."""
 MAX_BIASED_TOKENS = 1024
 
 
