@@ -240,6 +240,27 @@ def test_chat_and_text_prompt_through_disaggregated_stack(
         )
         chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+        # an answer that continues the assistant's last message, which echo puts first:
+        # the same tokens as completions on the prompt /tokenize gives for that chat
+        chat = {"messages": [{"role": "user", "content": "hello"},
+                             {"role": "assistant", "content": "Hello! How"}],
+                "add_generation_prompt": False, "continue_final_message": True}  # fmt: skip
+        ids = httpx.post(f"{base}/tokenize", json=chat, timeout=60).json()["tokens"]
+        assert tokenizer.decode(ids).endswith("Hello! How")  # the turn is left open
+        greedy = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": ids, **greedy}, timeout=120)
+        continued = r.json()["choices"][0]["text"]
+        for stream in (False, True):
+            body = {**chat, **greedy, "echo": True, "stream": stream}
+            r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            if stream:
+                deltas = [json.loads(ln[6:])["choices"][0]["delta"] for ln in r.text.splitlines()
+                          if ln.startswith("data: {")]  # fmt: skip
+                content = "".join(d.get("content") or "" for d in deltas)
+            else:
+                content = r.json()["choices"][0]["message"]["content"]
+            assert content == "Hello! How" + continued
 
 
 def test_prefix_index_follows_the_workers_block_events(

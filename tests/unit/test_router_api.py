@@ -231,7 +231,7 @@ def test_api_key(tokenizer: Any) -> None:
 
 def test_tokenize_and_detokenize_use_the_served_tokenizer(tokenizer: Any) -> None:
     """vLLM's ``/tokenize`` and ``/detokenize``: the ids completions and chat would send."""
-    from splitserve_worker.router.api_models import ChatMessage
+    from splitserve_worker.router.api_models import ChatTemplating
     from splitserve_worker.router.tokens import chat_prompt
 
     with make_client(tokenizer, api_key="k") as c:
@@ -245,7 +245,7 @@ def test_tokenize_and_detokenize_use_the_served_tokenizer(tokenizer: Any) -> Non
                             "token_strs": tokenizer.convert_ids_to_tokens(ids)}  # fmt: skip
         chat = [{"role": "user", "content": "name a colour"}]
         r = c.post("/tokenize", json={"model": "tiny", "messages": chat}, headers=key)
-        want = chat_prompt(tokenizer, "tiny", [ChatMessage(**m) for m in chat])  # type: ignore[arg-type]
+        want = chat_prompt(tokenizer, "tiny", ChatTemplating.model_validate({"messages": chat}))
         assert r.json()["tokens"] == want and r.json()["token_strs"] is None
         r = c.post("/detokenize", json={"tokens": ids}, headers=key)
         assert r.json() == {"prompt": tokenizer.decode(ids)}
@@ -257,6 +257,62 @@ def test_tokenize_and_detokenize_use_the_served_tokenizer(tokenizer: Any) -> Non
         error_of(c.post("/tokenize", json={"prompt": "x", "messages": chat}, headers=key), 400)
         assert error_of(c.post("/tokenize", json={"prompt": "x", "model": "other"},
                                headers=key), 404)["code"] == "model_not_found"  # fmt: skip
+
+
+def test_chat_template_options_shape_the_prompt(tokenizer: Any) -> None:
+    """vLLM's chat options: ``add_generation_prompt``, ``continue_final_message`` (the
+    answer continues the assistant's last message) and ``chat_template_kwargs`` (more
+    variables for the template), as /tokenize shows the prompt chat completions send."""
+    import copy
+
+    templated = copy.deepcopy(tokenizer)
+    templated.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% if not (continue_final_message and loop.last) %}</{{ m.role }}>{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+        "{% if mood %}[{{ mood }}]{% endif %}"
+    )
+
+    def text(c: TestClient, **body: Any) -> str:
+        r = c.post("/tokenize", json=body)
+        assert r.status_code == 200, r.text
+        return str(templated.decode(r.json()["tokens"]))
+
+    chat = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi the"}]
+    with make_client(templated) as c:
+        assert (
+            text(c, messages=chat) == "<user>Say hi</user><assistant>Hi the</assistant><assistant>"
+        )
+        assert text(c, messages=chat, add_generation_prompt=False).endswith("Hi the</assistant>")
+        opened = text(c, messages=chat, add_generation_prompt=False, continue_final_message=True)
+        assert opened == "<user>Say hi</user><assistant>Hi the"
+        kwargs = {"chat_template_kwargs": {"mood": "calm"}}
+        assert text(c, messages=chat[:1], **kwargs) == "<user>Say hi</user><assistant>[calm]"
+        # the same checks on both endpoints, each saying what is wrong
+        for route in ("/tokenize", "/v1/chat/completions"):
+            err = error_of(c.post(route, json={"messages": chat, "continue_final_message": True}),
+                           400)  # fmt: skip
+            assert "needs add_generation_prompt: false" in err["message"]
+            ends_with_user = {"messages": chat[:1], "continue_final_message": True,
+                              "add_generation_prompt": False}  # fmt: skip
+            err = error_of(c.post(route, json=ends_with_user), 400)
+            assert "an assistant message last" in err["message"]
+            reserved = {"messages": chat, "chat_template_kwargs": {"tokenize": True}}
+            assert (
+                "may not set ['tokenize']" in error_of(c.post(route, json=reserved), 400)["message"]
+            )
+        # a template that raises is the request's problem, said as such
+        broken = copy.deepcopy(tokenizer)
+        broken.chat_template = "{{ raise_exception('only one turn') if messages|length > 1 }}"
+    with make_client(broken) as c:
+        err = error_of(c.post("/v1/chat/completions", json={"messages": chat}), 400)
+        assert "refused the chat" in err["message"] and "only one turn" in err["message"]
+    with make_client(tokenizer) as c:
+        plain = {"messages": chat[:1], "response_format": {"type": "text"}}
+        assert c.post("/v1/chat/completions", json=plain).status_code in (429, 503)
+        json_mode = {**plain, "response_format": {"type": "json_object"}}
+        err = error_of(c.post("/v1/chat/completions", json=json_mode), 400)
+        assert err["param"].startswith("response_format")
 
 
 def test_a_body_over_the_limit_is_413_declared_or_chunked(tokenizer: Any) -> None:

@@ -182,17 +182,72 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_Sampling):
+TEMPLATE_ARGS = frozenset(
+    {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+     "messages"}
+)  # fmt: skip
+"""What the router itself passes to the chat template: not settable by a request."""
+
+
+class ChatTemplating(BaseModel):
+    """How a chat becomes a prompt: vLLM's options over the model's chat template."""
+
+    model_config = ConfigDict(extra="forbid")
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    add_generation_prompt: bool = True
+    """End the prompt with the template's opening of an assistant turn."""
+    continue_final_message: bool = False
+    """Leave the final (assistant) message open, so the answer continues it."""
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=32)
+    """More variables for the template (such as Qwen3's ``enable_thinking``)."""
+
+    @model_validator(mode="after")
+    def _template_options(self) -> ChatTemplating:
+        check_template_options(self)
+        return self
+
+
+def check_template_options(chat: Any) -> None:
+    """The rules between a chat's templating options (on any model holding them)."""
+    if chat.continue_final_message:
+        if chat.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message needs add_generation_prompt: false (the final "
+                "message is continued, no new turn is opened)"
+            )
+        if chat.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs an assistant message last")
+    taken = sorted(TEMPLATE_ARGS & set(chat.chat_template_kwargs or {}))
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {taken}")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    """Plain text only: no JSON mode or schema-constrained decoding."""
+
+
+class ChatCompletionRequest(_Sampling, ChatTemplating):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    echo: bool = False
+    """vLLM's: when the last message is the assistant's, its text leads the answer's."""
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    def echoed(self) -> str:
+        """What ``echo`` puts before the answer: the last message, if the assistant's."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     def top_count(self) -> int:
         """How many of the most likely tokens to return per position."""

@@ -289,8 +289,10 @@ def create_app(service: RouterService) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[auth])
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        prompt = tokens.chat_prompt(service.tokenizer, cfg.model_name, body.messages)
-        return await respond(request, [make_job("chat.completion", body, prompt)], body)
+        prompt = tokens.chat_prompt(service.tokenizer, cfg.model_name, body)
+        job = make_job("chat.completion", body, prompt)
+        job.echo = body.echoed()
+        return await respond(request, [job], body)
 
     tokens.install(app, service, auth)
 

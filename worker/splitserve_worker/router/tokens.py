@@ -7,9 +7,14 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import FastAPI
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from splitserve_worker.router.api_models import ChatMessage
+from splitserve_worker.router.api_models import (
+    ChatMessage,
+    ChatTemplating,
+    check_template_options,
+)
 from splitserve_worker.router.errors import APIError
 from splitserve_worker.router.jobs import check_model
 from splitserve_worker.router.service import RouterService
@@ -18,7 +23,8 @@ MAX_DETOKENIZE = 1_000_000
 
 
 class TokenizeRequest(BaseModel):
-    """A text (``prompt``) or a chat (``messages``, templated as chat completions do)."""
+    """A text (``prompt``) or a chat (``messages`` and the options of chat completions,
+    templated as they are)."""
 
     model_config = ConfigDict(extra="forbid")
     model: str = Field(default="", max_length=512)
@@ -28,13 +34,26 @@ class TokenizeRequest(BaseModel):
     """Default: true for a prompt (as completions tokenize it), false for a chat (the
     template holds them)."""
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=32)
     return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _one(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send either prompt or messages")
+        if self.messages is not None:
+            check_template_options(self)
         return self
+
+    def chat(self) -> ChatTemplating:
+        """The chat with its options (checked already, as chat completions check them)."""
+        return ChatTemplating.model_construct(
+            messages=self.messages,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
 
 
 class DetokenizeRequest(BaseModel):
@@ -43,15 +62,21 @@ class DetokenizeRequest(BaseModel):
     tokens: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_DETOKENIZE)
 
 
-def chat_prompt(tokenizer: Any, model_name: str, messages: list[ChatMessage],
-                add_generation_prompt: bool = True) -> list[int]:  # fmt: skip
+def chat_prompt(tokenizer: Any, model_name: str, chat: ChatTemplating) -> list[int]:
     """A chat's token ids, as its completion is prompted: the model's chat template."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, f"model {model_name!r} has no chat template; use /v1/completions")
-    turns = [{"role": m.role, "content": m.text()} for m in messages]
-    text = tokenizer.apply_chat_template(
-        turns, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    turns = [{"role": m.role, "content": m.text()} for m in chat.messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            turns,
+            tokenize=False,
+            add_generation_prompt=chat.add_generation_prompt,
+            continue_final_message=chat.continue_final_message,
+            **(chat.chat_template_kwargs or {}),
+        )
+    except (TemplateError, ValueError, TypeError) as e:  # the template refused the chat
+        raise APIError(400, f"the chat template of {model_name!r} refused the chat: {e}") from e
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -63,7 +88,7 @@ def install(app: FastAPI, service: RouterService, auth: Any) -> None:
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         check_model(body.model, cfg)
         if body.messages is not None:
-            ids = chat_prompt(tok, cfg.model_name, body.messages, body.add_generation_prompt)
+            ids = chat_prompt(tok, cfg.model_name, body.chat())
             if body.add_special_tokens:
                 ids = list(tok.build_inputs_with_special_tokens(ids))
         else:
