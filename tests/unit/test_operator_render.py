@@ -18,6 +18,15 @@ from splitserve_operator.spec import Pool, parse_spec
 
 sys.path.insert(0, str(Path(__file__).parent))
 from render_helpers import BASE, arg, config, container, env, objects, pod
+from render_settings import (
+    ENGINE_SETTINGS,
+    ROUTER_SECTIONS,
+    ROUTER_SETTINGS,
+    engine_setting,
+    router_config,
+    router_section,
+    router_setting,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -145,111 +154,6 @@ def _router_service_type() -> None:
     assert objects()["Service/demo-router"]["spec"]["type"] == "ClusterIP"
 
 
-ROUTER_SETTINGS = {"disaggregation": "never", "maxModelLen": 2048, "defaultMaxTokens": 64,
-                   "maxRequestBytes": 1 << 20, "maxRetries": 0}  # fmt: skip
-
-ROUTER_SECTIONS: dict[str, dict[str, Any]] = {
-    "queues": {"prefillMaxWaiting": 7, "decodeMaxWaiting": 9, "prefillSlotsPerWorker": 3,
-               "decodeSlotsPerWorker": 5, "maxWaitSeconds": 2.5, "retryAfterSeconds": 4},
-    "timeouts": {"connectSeconds": 1.5, "prefillSeconds": 11, "firstTokenSeconds": 12,
-                 "interTokenSeconds": 13.5, "requestSeconds": 140,
-                 "healthIntervalSeconds": 0.25},
-}  # fmt: skip
-"""Each field of a router settings section and where it lands in the router's config."""
-ROUTER_SECTION_KEYS = {
-    "maxWaitSeconds": "max_wait_s", "retryAfterSeconds": "retry_after_s",
-    "connectSeconds": "connect_s", "prefillSeconds": "prefill_s",
-    "firstTokenSeconds": "first_token_s", "interTokenSeconds": "inter_token_s",
-    "requestSeconds": "request_s", "healthIntervalSeconds": "health_interval_s",
-}  # fmt: skip
-
-
-def _snake(field: str) -> str:
-    return "".join(f"_{c.lower()}" if c.isupper() else c for c in field)
-
-
-def _router_config(objs: dict[str, Any]) -> Any:
-    """The config the router builds from the args the operator wrote (parsed by its own
-    CLI), as it would at start."""
-    import argparse
-
-    from splitserve_worker.commands import router as router_cmd
-
-    args = container(objs, "router")["args"]
-    parser = argparse.ArgumentParser()
-    router_cmd.add_arguments(parser)
-    parsed = parser.parse_args(args[1:])
-    return parsed, router_cmd.load_config(parsed, max_model_len=parsed.max_model_len or 4096)
-
-
-def _router_setting(field: str) -> Callable[[], None]:
-    def check() -> None:
-        value = ROUTER_SETTINGS[field]
-        objs = objects({"router": {"settings": {field: value}}})
-        # the flag the operator writes is one the router's CLI reads, as that value
-        parsed, cfg = _router_config(objs)
-        assert vars(parsed)[_snake(field)] == value
-        assert getattr(cfg, _snake(field)) == value
-        base = objects()
-        assert "--" + _snake(field).replace("_", "-") not in container(base, "router")["args"]
-        # the router rolls, the workers do not
-        for pool in ("prefill", "decode"):
-            assert objs[f"Deployment/demo-{pool}"] == base[f"Deployment/demo-{pool}"]
-
-    return check
-
-
-def _router_section(section: str, field: str) -> Callable[[], None]:
-    def check() -> None:
-        value = ROUTER_SECTIONS[section][field]
-        objs = objects({"router": {"settings": {section: {field: value}}}})
-        _, cfg = _router_config(objs)
-        key = ROUTER_SECTION_KEYS.get(field, _snake(field))
-        assert getattr(getattr(cfg, section), key) == value
-        _, default = _router_config(objects())
-        assert getattr(getattr(default, section), key) != value
-        base = objects()
-        for pool in ("prefill", "decode"):
-            assert objs[f"Deployment/demo-{pool}"] == base[f"Deployment/demo-{pool}"]
-
-    return check
-
-
-ENGINE_SETTINGS: dict[str, tuple[Any, Any]] = {
-    "maxNumSeqs": (128, 128), "maxBatchTokens": (4096, 4096), "prefillChunkTokens": (256, 256),
-    "gpuMemoryFraction": (0.9, 0.9), "kvCacheMemory": ("2Gi", 2 << 30), "threads": (4, 4),
-}  # fmt: skip
-"""Each engine field as written in the spec, and the value the engine gets."""
-
-
-def _engine_setting(pool: str, field: str) -> Callable[[], None]:
-    def check() -> None:
-        import argparse
-
-        from splitserve_worker.commands import worker as worker_cmd
-        from splitserve_worker.server.config import WorkerConfig
-
-        written, value = ENGINE_SETTINGS[field]
-        objs = objects({pool: {"engine": {field: written}}})
-        parser = argparse.ArgumentParser()
-        worker_cmd.add_arguments(parser)
-        # the worker's own CLI reads the flag, and its engine gets the value
-        parsed = vars(parser.parse_args(container(objs, pool)["args"][1:]))
-        names = ("max_num_seqs", "max_batch_tokens", "prefill_chunk_tokens",
-                 "gpu_memory_fraction", "kv_cache_memory", "threads")  # fmt: skip
-        kw = {k: parsed[k] for k in names}
-        engine = vars(WorkerConfig(role=pool, model="m", token="t", **kw).engine_config())
-        name = "num_threads" if field == "threads" else _snake(field)
-        assert engine[name] == value
-        default = vars(parser.parse_args(container(objects(), pool)["args"][1:]))
-        assert default[_snake(field)] != parsed[_snake(field)]
-        # only this pool's workers roll
-        other = "decode" if pool == "prefill" else "prefill"
-        assert objs[f"Deployment/demo-{other}"] == objects()[f"Deployment/demo-{other}"]
-
-    return check
-
-
 def _kv_backend() -> None:
     objs = objects({"kvTransfer": {"backend": "nixl"}})
     assert arg(objs, "prefill", "--kv-backend") == arg(objs, "decode", "--kv-backend") == "nixl"
@@ -260,7 +164,7 @@ def _kv_lease() -> None:
     objs = objects({"kvTransfer": {"leaseSeconds": 12}})
     assert arg(objs, "decode", "--lease-seconds") == "12"
     # the router asks that lease in its Reserve calls (a lease it names wins the worker's)
-    assert _router_config(objs)[1].timeouts.lease_s == 12
+    assert router_config(objs)[1].timeouts.lease_s == 12
 
 
 def _planner_only() -> None:
@@ -360,14 +264,14 @@ FIELD_CHECKS: dict[str, Callable[[], None]] = {
         )
     },
     **{
-        f"{pool}.engine.{field}": _engine_setting(pool, field)
+        f"{pool}.engine.{field}": engine_setting(pool, field)
         for pool in ("prefill", "decode")
         for field in ENGINE_SETTINGS
     },
     "router.serviceType": _router_service_type,
-    **{f"router.settings.{field}": _router_setting(field) for field in ROUTER_SETTINGS},
+    **{f"router.settings.{field}": router_setting(field) for field in ROUTER_SETTINGS},
     **{
-        f"router.settings.{section}.{field}": _router_section(section, field)
+        f"router.settings.{section}.{field}": router_section(section, field)
         for section, fields in ROUTER_SECTIONS.items()
         for field in fields
     },
