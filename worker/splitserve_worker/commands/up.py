@@ -282,7 +282,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 async def _main(args: argparse.Namespace) -> int:
     from splitserve_worker.commands.router import load_tokenizer
-    from splitserve_worker.models import model_context_limit
+    from splitserve_worker.models import model_context_limit, resolve_model
     from splitserve_worker.router.app import create_app
     from splitserve_worker.router.config import RouterConfig
     from splitserve_worker.router.discovery import StaticDiscovery
@@ -290,6 +290,9 @@ async def _main(args: argparse.Namespace) -> int:
 
     roles = stack_roles(args.prefill, args.decode, args.colocated)
     check_port_free("127.0.0.1", args.port)
+    # once, before any worker: a wrong name fails here, and the workers find the built-in
+    # model converted (or a hub checkpoint fetched) rather than each doing it at once
+    await asyncio.to_thread(resolve_model, args.model)
     token = secrets.token_hex(16)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -336,9 +339,11 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from splitserve_worker.models import ModelError
+
     try:
         return asyncio.run(_main(args))
-    except StackError as e:
+    except (StackError, ModelError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -137,11 +137,16 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 async def serve(config: WorkerConfig) -> int:
     from splitserve_worker.kv.nixl_common import loopback_env
+    from splitserve_worker.models import ModelError
     from splitserve_worker.server.app import start_worker
 
     if config.kv_backend == "nixl" and config.host in ("127.0.0.1", "localhost"):
         loopback_env()
-    worker = await start_worker(config)
+    try:
+        worker = await start_worker(config)
+    except (ModelError, OSError, ValueError) as e:  # what to fix is in the message
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if worker.metrics_port is not None:
         print(f"{METRICS_PREFIX}{worker.metrics_port}", flush=True)
     print(f"{READY_PREFIX}{worker.address}", flush=True)

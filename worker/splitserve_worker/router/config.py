@@ -196,14 +196,19 @@ class RouterConfig:
         return _build(cls, data, "")
 
 
+def _named(where: str) -> str:
+    """``queues.`` -> ``queues``; the top level is ``config``."""
+    return where.rstrip(".") or "config"
+
+
 def _build(cls: Any, data: Mapping[str, Any], where: str) -> Any:
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{where or 'config'} must be a mapping, got {type(data).__name__}")
+        raise ConfigError(f"{_named(where)} must be a mapping, got {type(data).__name__}")
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise ConfigError(
-            f"unknown setting(s) {unknown} in {where or 'config'}; known: {sorted(known)}"
+            f"unknown setting(s) {unknown} in {_named(where)}; known: {sorted(known)}"
         )
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
@@ -217,4 +222,4 @@ def _build(cls: Any, data: Mapping[str, Any], where: str) -> Any:
     try:
         return cls(**kwargs)
     except TypeError as e:
-        raise ConfigError(f"bad value in {where or 'config'}: {e}") from e
+        raise ConfigError(f"bad value in {_named(where)}: {e}") from e

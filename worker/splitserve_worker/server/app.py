@@ -76,7 +76,13 @@ async def start_worker(config: WorkerConfig, *, loaded: Any = None) -> RunningWo
     server = grpc.aio.server(
         interceptors=[TokenAuthInterceptor(config.token)], options=SERVER_OPTIONS
     )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    try:
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+    except RuntimeError:  # gRPC's "Failed to bind"
+        raise OSError(
+            f"cannot listen on {config.host}:{config.port}: the port is taken or the address "
+            "is not this host's; choose another --port or --host"
+        ) from None
     address = config.advertise_address or f"{_reachable_host(config.host)}:{port}"
     ctx = BackendContext(
         compat=compat,

@@ -1,0 +1,52 @@
+"""The commands' mistakes end in one ``error:`` line that says what to fix, not a
+traceback: a model that is not there, a port that is taken, a setting that is not one."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def splitserve(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SPLITSERVE_WORKER_TOKEN": "t"}
+    return subprocess.run(
+        [sys.executable, "-m", "splitserve_worker.cli", *args],
+        capture_output=True, text=True, timeout=240, env=env,
+    )  # fmt: skip
+
+
+def said(p: subprocess.CompletedProcess[str], rc: int, words: str) -> None:
+    assert p.returncode == rc, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and words in errors[0], p.stderr[-2000:]
+
+
+def test_a_model_that_is_not_there(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nothing-here")
+    said(splitserve("worker", "--role", "decode", "--model", missing), 2, "nothing-here")
+    said(splitserve("up", "--model", missing, "--port", "0"), 1, "is neither the built-in")
+
+
+def test_a_port_that_is_taken(tiny_model_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        p = splitserve("worker", "--role", "decode", "--model", str(tiny_model_path),
+                       "--port", str(port), "--threads", "1")  # fmt: skip
+    said(p, 2, f"cannot listen on 127.0.0.1:{port}")
+
+
+def test_a_router_setting_that_is_not_one(tiny_model_path: Path) -> None:
+    base = ["router", "--model", str(tiny_model_path), "--workers", "decode=127.0.0.1:9"]
+    said(splitserve(*base, "--set", "queues.max_wait=1"), 2,
+         "unknown setting(s) ['max_wait'] in queues;")  # fmt: skip
+    said(splitserve(*base, "--set", "timeouts.request_s=-1"), 2, "timeouts.request_s must be > 0")
