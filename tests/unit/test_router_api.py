@@ -178,6 +178,9 @@ def test_unknown_route_and_method(client: TestClient) -> None:
 def test_models_health_metrics_openapi(client: TestClient) -> None:
     models = client.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert client.get("/v1/models/tiny").json() == models["data"][0]
+    err = error_of(client.get("/v1/models/org/other"), 404)
+    assert err["code"] == "model_not_found" and "'org/other'" in err["message"]
     h = client.get("/health")
     assert h.status_code == 503 and h.json()["workers"][0]["healthy"] is False
     text = client.get("/metrics").text

@@ -296,20 +296,18 @@ def create_app(service: RouterService) -> FastAPI:
 
     tokens.install(app, service, auth)
 
+    card = {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "splitserve",
+            "max_model_len": cfg.max_model_len}  # fmt: skip
+
     @app.get("/v1/models", dependencies=[auth])
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": cfg.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "splitserve",
-                    "max_model_len": cfg.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[auth])
+    async def model(model_id: str) -> dict[str, Any]:
+        """OpenAI's retrieve-a-model: the served model's card, or 404 for another name."""
+        jobs.check_model(model_id, cfg)
+        return card
 
     @app.get("/health")
     async def health() -> JSONResponse:
