@@ -168,6 +168,20 @@ def test_bad_chat_requests(client: TestClient) -> None:
     no_lp = {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}
     err = error_of(client.post("/v1/chat/completions", json=no_lp), 400)
     assert "top_logprobs needs logprobs: true" in err["message"]
+    # no function calling: what SDKs send without tools is accepted, tools are refused
+    hi = {"messages": [{"role": "user", "content": "hi"}]}
+    none = {**hi, "tools": [], "tool_choice": "none", "parallel_tool_calls": False}
+    assert client.post("/v1/chat/completions", json=none).status_code in (429, 503)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    err = error_of(client.post("/v1/chat/completions", json={**hi, "tools": [tool]}), 400)
+    assert "function calling is not served here" in err["message"]
+    err = error_of(client.post("/v1/chat/completions", json={**hi, "tool_choice": "required"}),
+                   400)  # fmt: skip
+    assert err["param"] == "tool_choice"
+    err = error_of(client.post("/v1/chat/completions", json={**hi, "functions": []}), 400)
+    assert "function calling is not served here" in err["message"] and err["param"] == "functions"
+    err = error_of(client.post("/v1/completions", json={"prompt": "x", "guided_json": {}}), 400)
+    assert "constrained decoding is not served here" in err["message"]
 
 
 def test_unknown_route_and_method(client: TestClient) -> None:

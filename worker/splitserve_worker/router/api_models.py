@@ -237,11 +237,20 @@ class ChatCompletionRequest(_Sampling, ChatTemplating):
     echo: bool = False
     """vLLM's: when the last message is the assistant's, its text leads the answer's."""
     response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    """Accepted empty only (what some SDKs always send): no function calling here."""
+    tool_choice: Literal["none", "auto"] | None = None
+    """With no tools, ``none`` and ``auto`` alike mean a plain answer."""
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.tools:
+            raise ValueError(
+                "tools: function calling is not served here; send the request without tools"
+            )
         return self
 
     def echoed(self) -> str:

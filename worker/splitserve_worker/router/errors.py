@@ -83,6 +83,18 @@ _JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a num
 
 
 _OTHER_ENDPOINT = {"messages": "/v1/chat/completions", "prompt": "/v1/completions"}
+_NOT_SERVED = {
+    **dict.fromkeys(("functions", "function_call"), "function calling is not served here"),
+    **dict.fromkeys(
+        ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
+        "constrained decoding is not served here",
+    ),
+    **dict.fromkeys(("audio", "modalities"), "only text is served here"),
+    "prediction": "predicted outputs are not served here",
+    "web_search_options": "web search is not served here",
+    "reasoning_effort": "reasoning effort is not served here",
+}
+"""Fields other servers take, and why they are refused here."""
 
 
 def _body_problem(err: dict[str, Any]) -> str | None:
@@ -118,6 +130,8 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         text = text.removeprefix("Value error, ")
         if err.get("type") == "extra_forbidden" and where in _OTHER_ENDPOINT:
             text += f" here (it belongs to {_OTHER_ENDPOINT[where]})"
+        elif err.get("type") == "extra_forbidden" and where in _NOT_SERVED:
+            text += f" ({_NOT_SERVED[where]})"
         msgs.append(f"{where}: {text}" if where else text)
     return "; ".join(msgs), param
 
