@@ -25,8 +25,8 @@ class OperatorConfig:
     resync_seconds: float = 300.0
     """Seconds between full reconciles of every InferenceService (0: never). Deployments
     are watched and repaired at once; this catches drift in the objects that are not
-    watched (Services, ConfigMap, NetworkPolicy, RBAC) without watching every Service
-    and Secret in the cluster."""
+    watched (Services, ConfigMap, NetworkPolicy, disruption budgets, RBAC) without
+    watching every Service and Secret in the cluster."""
 
     workers: int = 16
     """Threads that run reconciles. A reconcile mostly waits on the API server, so more

@@ -33,6 +33,7 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "apps/v1/deployments": {"kind": "Deployment", "subresources": {"status", "scale"}},
     "rbac.authorization.k8s.io/v1/rolebindings": {"kind": "RoleBinding"},
     "networking.k8s.io/v1/networkpolicies": {"kind": "NetworkPolicy"},
+    "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "subresources": {"status"}},
     "events.k8s.io/v1/events": {"kind": "Event"},
     "splitserve.io/v1alpha1/inferenceservices": {
         "kind": "InferenceService",

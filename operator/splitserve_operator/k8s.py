@@ -66,6 +66,7 @@ KINDS: dict[tuple[str, str], Kind] = {
         Kind("v1", "Event", "events"),
         Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
         Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+        Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
     )
 }
 INFERENCE_SERVICE = KINDS[(API_VERSION, KIND)]

@@ -14,6 +14,7 @@ CHILDREN = {
     "v1/serviceaccounts": {"demo-router"},
     "rbac.authorization.k8s.io/v1/rolebindings": {"demo-router"},
     "networking.k8s.io/v1/networkpolicies": {"demo-workers"},
+    "policy/v1/poddisruptionbudgets": {"demo-prefill", "demo-decode", "demo-router"},
     "v1/services": {"demo-prefill", "demo-decode", "demo-router"},
     "apps/v1/deployments": {"demo-prefill", "demo-decode", "demo-router"},
 }

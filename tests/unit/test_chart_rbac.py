@@ -20,6 +20,7 @@ EXPECTED = {
     ("", "secrets"): {"create"},
     ("", "events"): {"create"},
     ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch"},
+    ("policy", "poddisruptionbudgets"): {"get", "create", "patch"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"get", "create", "patch"},
     ("rbac.authorization.k8s.io", "clusterroles"): {"bind"},
 }

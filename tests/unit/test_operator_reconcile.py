@@ -111,7 +111,7 @@ def test_first_reconcile_creates_without_reading_then_nothing_changes() -> None:
     cluster = FakeCluster()
     rec = reconciler(cluster)
     outcome = rec.reconcile(service(cluster))
-    assert len(outcome.created) == 11 and not outcome.problems
+    assert len(outcome.created) == 14 and not outcome.problems
     assert not [c for c in cluster.calls if c[0] == "get"]
     assert cluster.events[0][:2] == ("Normal", "Created")
     cluster.calls.clear()

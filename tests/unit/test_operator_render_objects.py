@@ -87,6 +87,9 @@ def test_names_labels_and_owner_references() -> None:
             "Deployment/demo-prefill",
             "Deployment/demo-decode",
             "Deployment/demo-router",
+            "PodDisruptionBudget/demo-prefill",
+            "PodDisruptionBudget/demo-decode",
+            "PodDisruptionBudget/demo-router",
         ]
     )
     for manifest in objs.values():
@@ -291,3 +294,15 @@ def test_render_deployment_is_the_same_deployment_render_makes() -> None:
     everything = {d.name: d.manifest for d in render(REF, spec, inputs) if d.kind == "Deployment"}
     for pool in Pool:
         assert render_deployment(REF, spec, inputs, pool) == everything[f"demo-{pool.value}"]
+
+
+def test_each_pool_has_a_disruption_budget_over_its_own_pods() -> None:
+    objs = objects({"decode": {"replicas": 4}})
+    for pool in ("prefill", "decode", "router"):
+        budget = objs[f"PodDisruptionBudget/demo-{pool}"]
+        assert budget["apiVersion"] == "policy/v1"
+        assert budget["spec"]["maxUnavailable"] == 1  # a drain never waits on a lone pod
+        match = budget["spec"]["selector"]["matchLabels"]
+        for other in ("prefill", "decode", "router"):
+            labels = objs[f"Deployment/demo-{other}"]["spec"]["template"]["metadata"]["labels"]
+            assert (match.items() <= labels.items()) == (other == pool), (pool, other)

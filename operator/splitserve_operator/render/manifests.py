@@ -69,6 +69,7 @@ def render(ref: ServiceRef, spec: InferenceServiceSpec, inputs: RenderInputs) ->
         )
         for pool in Pool
     ]
+    objects += [Desired(workloads.disruption_budget(ref, pool)) for pool in Pool]
     return objects
 
 

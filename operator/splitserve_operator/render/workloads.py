@@ -207,3 +207,16 @@ def service(ref: ServiceRef, spec: InferenceServiceSpec, pool: Pool) -> dict[str
         "metadata": ref.metadata(ref.service(pool), pool.value),
         "spec": body,
     }
+
+
+def disruption_budget(ref: ServiceRef, pool: Pool) -> dict[str, Any]:
+    """At most one pod of the pool evicted at a time by a voluntary disruption (a node
+    drain, a cluster upgrade): streams on an evicted decode worker move elsewhere, but a
+    drain that took every worker of a pool at once would leave none to move to. With
+    one replica the drain still proceeds."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": ref.metadata(ref.deployment(pool), pool.value),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": ref.selector(pool)}},
+    }
