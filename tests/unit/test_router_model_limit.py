@@ -89,3 +89,41 @@ def test_set_reaches_any_setting_and_says_what_is_wrong(tmp_path: Path) -> None:
     assert "block_size is a value, not a section" in refused("block_size.x=1")
     assert "queues is a section: give its fields" in refused("queues=3")
     assert "bad value" in refused("queues.max_wait_s=soon")
+
+
+def test_the_router_fetches_a_hub_model_without_its_weights(
+    tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A router given a hub id reads the config and the tokenizer: it must not pull the
+    checkpoint's weights (gigabytes, into a pod sized for routing); a worker does."""
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+
+    from splitserve_worker.models import resolve_model
+
+    fetched: list[list[str]] = []
+
+    def snapshot_download(repo_id: str, allow_patterns: list[str]) -> str:
+        # the hub's side: the tiny checkpoint's files, those matching a pattern copied
+        assert repo_id == "org/tiny"
+        fetched.append(list(allow_patterns))
+        out = tmp_path / "snapshot"
+        out.mkdir(exist_ok=True)
+        for f in tiny_model_path.iterdir():
+            if any(fnmatch.fnmatch(f.name, p) for p in allow_patterns):
+                shutil.copy(f, out / f.name)
+        return str(out)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    tokenizer = router_cmd.load_tokenizer("org/tiny")
+    assert tokenizer("hello")["input_ids"]
+    cfg = router_cmd.load_config(_args(Path("org/tiny")))
+    assert cfg.max_model_len == context_limit(LlamaConfig.from_pretrained(tiny_model_path))
+    snapshot = tmp_path / "snapshot"
+    assert not list(snapshot.glob("*.safetensors")) and fetched
+    assert all("*.safetensors" not in patterns for patterns in fetched)
+    # a worker resolving the same id gets the weights
+    assert list(resolve_model("org/tiny").glob("*.safetensors"))
+    assert "*.safetensors" in fetched[-1]

@@ -104,13 +104,19 @@ def convert_builtin(target: Path) -> Path:
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
-def _from_hub(repo_id: str) -> Path:
+HUB_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+"""What a hub checkpoint's config, tokenizer and chat template come in."""
+HUB_WEIGHTS = ["*.safetensors"]
+
+
+def _from_hub(repo_id: str, weights: bool = True) -> Path:
     """The snapshot folder of a Hugging Face id: from the local hub cache, or downloaded
-    (``HF_TOKEN``, ``HF_HOME`` and ``HF_HUB_OFFLINE`` apply as usual)."""
+    (``HF_TOKEN``, ``HF_HOME`` and ``HF_HUB_OFFLINE`` apply as usual); without the
+    weights unless ``weights``."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+    patterns = HUB_FILES + HUB_WEIGHTS if weights else HUB_FILES
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
@@ -120,8 +126,10 @@ def _from_hub(repo_id: str) -> Path:
         ) from e
 
 
-def resolve_model(name_or_path: str) -> Path:
-    """Return the checkpoint folder for the built-in name, a local folder or a hub id."""
+def resolve_model(name_or_path: str, weights: bool = True) -> Path:
+    """Return the checkpoint folder for the built-in name, a local folder or a hub id;
+    a hub id is fetched without its weights unless ``weights`` (the router only reads
+    the config and the tokenizer)."""
     if is_builtin(name_or_path):
         target = cache_dir() / "models" / BUILTIN_MODEL
         if not (target / "config.json").exists():
@@ -129,7 +137,7 @@ def resolve_model(name_or_path: str) -> Path:
         return target
     path = Path(name_or_path).expanduser()
     if not path.is_dir() and _HUB_ID.fullmatch(name_or_path):
-        path = _from_hub(name_or_path)
+        path = _from_hub(name_or_path, weights)
     if not path.is_dir():
         raise ModelError(
             f"model {name_or_path!r} is neither the built-in name {BUILTIN_MODEL!r} "
@@ -164,7 +172,8 @@ def model_context_limit(name_or_path: str) -> int:
     router uses: it loads no weights)."""
     from transformers import AutoConfig
 
-    return context_limit(AutoConfig.from_pretrained(str(resolve_model(name_or_path))))
+    path = resolve_model(name_or_path, weights=False)
+    return context_limit(AutoConfig.from_pretrained(str(path)))
 
 
 def torch_dtype(name: str, checkpoint_dtype: Any = None) -> torch.dtype:

@@ -143,7 +143,7 @@ def load_tokenizer(model: str) -> Any:
 
     from splitserve_worker.models import resolve_model
 
-    return AutoTokenizer.from_pretrained(str(resolve_model(model)))
+    return AutoTokenizer.from_pretrained(str(resolve_model(model, weights=False)))
 
 
 def make_discovery(args: argparse.Namespace) -> Any:
