@@ -100,7 +100,6 @@ def test_the_router_fetches_a_hub_model_without_its_weights(
     import shutil
 
     import huggingface_hub
-
     from splitserve_worker.models import resolve_model
 
     fetched: list[list[str]] = []
