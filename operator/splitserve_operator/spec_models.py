@@ -28,6 +28,8 @@ from splitserve_operator.spec_values import (
     LABEL_VALUE_PATTERN,
     MAX_GPUS_PER_POD,
     MAX_REPLICAS,
+    MODEL_MOUNT,
+    PVC_SOURCE,
     QUANTITY_PATTERN,
     URL_PATTERN,
     Disaggregation,
@@ -63,13 +65,38 @@ class ModelSpec(_Model):
     name: Annotated[str, StringConstraints(min_length=1, max_length=253)]
     """The model's name as served (``/v1/models``)."""
     source: Annotated[str, StringConstraints(min_length=1, max_length=2048)] | None = None
-    """Where the weights come from: a Hugging Face id, a folder in the image or on a
-    mounted volume, or a built-in name. ``None``: the same as ``name``."""
+    """Where the weights come from: a Hugging Face id, a folder in the image,
+    ``pvc://CLAIM/PATH`` (a folder on a PersistentVolumeClaim of the namespace, mounted
+    read-only), or a built-in name. ``None``: the same as ``name``."""
     dtype: Dtype = Dtype.AUTO
+
+    @field_validator("source")
+    @classmethod
+    def _claim_path(cls, value: str | None) -> str | None:
+        if value is not None and value.startswith("pvc://"):
+            found = PVC_SOURCE.fullmatch(value)
+            path = (found.group(4) or "") if found else ""
+            if found is None or ".." in path.split("/"):
+                raise ValueError(
+                    "a pvc:// source is pvc://CLAIM/PATH: CLAIM a PersistentVolumeClaim "
+                    "in this namespace (a DNS label), PATH the checkpoint folder in it "
+                    "(no '..')"
+                )
+        return value
+
+    @property
+    def claim(self) -> tuple[str, str] | None:
+        """A ``pvc://`` source's claim and the folder's path in it; else ``None``."""
+        found = PVC_SOURCE.fullmatch(self.source or "")
+        return (found.group(1), (found.group(4) or "").strip("/")) if found else None
 
     @property
     def weights(self) -> str:
-        """What the workers load: ``source``, or ``name`` when no source is given."""
+        """What the workers load: ``source`` (a ``pvc://`` one as the path it is mounted
+        at), or ``name`` when no source is given."""
+        if self.claim is not None:
+            path = self.claim[1]
+            return f"{MODEL_MOUNT}/{path}" if path else MODEL_MOUNT
         return self.source or self.name
 
 

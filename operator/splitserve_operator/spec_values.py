@@ -37,6 +37,11 @@ LABEL_KEY_PATTERN = re.compile(
 LABEL_VALUE_PATTERN = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 URL_PATTERN = re.compile(r"^https?://[^\s/$.?#][^\s]*$")
 
+PVC_SOURCE = re.compile(r"^pvc://([a-z0-9]([-a-z0-9]*[a-z0-9])?)(/(.*))?$")
+"""``pvc://CLAIM/PATH``: a checkpoint folder on a PersistentVolumeClaim of the namespace."""
+MODEL_MOUNT = "/models"
+"""Where a ``pvc://`` source's claim is mounted (read-only) in every pod."""
+
 MAX_REPLICAS = 1000
 MAX_GPUS_PER_POD = 16
 

@@ -102,6 +102,11 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
     ("empty model name", {"model": {"name": ""}}, "spec.model.name"),
     ("unknown dtype", {"model": {"name": "m", "dtype": "int4"}}, "spec.model.dtype"),
     ("image with spaces", {"image": "a b"}, "spec.image"),
+    (
+        "claim not a DNS label",
+        {"model": {"name": "m", "source": "pvc://My_Claim/x"}},
+        "pvc://CLAIM/PATH",
+    ),
     ("negative replicas", {"decode": {"replicas": -1}}, "spec.decode.replicas"),
     ("replicas as text", {"decode": {"replicas": "2"}}, "spec.decode.replicas"),
     ("too many replicas", {"prefill": {"replicas": 5000}}, "spec.prefill.replicas"),

@@ -45,6 +45,16 @@ def _model_source() -> None:
     for pool in ("prefill", "decode"):
         assert arg(objs, pool, "--model") == "org/weights"
     assert config(objs)["model"]["source"] == "org/weights"
+    assert "model" not in [v["name"] for v in pod(objs, "decode")["volumes"]]
+    # a folder on a claim: mounted read-only in every pod, loaded from where it is mounted
+    objs = objects({"model": {"name": "m", "source": "pvc://weights/llama/8b"}})
+    for pool in ("prefill", "decode", "router"):
+        assert arg(objs, pool, "--model") == "/models/llama/8b"
+        volumes = {v["name"]: v for v in pod(objs, pool)["volumes"]}
+        claim = {"claimName": "weights", "readOnly": True}
+        assert volumes["model"]["persistentVolumeClaim"] == claim
+        mount = {"name": "model", "mountPath": "/models", "readOnly": True}
+        assert mount in container(objs, pool)["volumeMounts"]
 
 
 def _model_dtype() -> None:

@@ -138,6 +138,8 @@ def test_every_problem_is_listed_with_its_path_and_value() -> None:
             "decode.minReplicas must be at least 1",
         ),
         ({**MINIMAL, "slo": {"percentile": 90}}, "spec.slo.percentile"),
+        ({**MINIMAL, "model": {"name": "m", "source": "pvc://w/../etc"}}, "(no '..')"),
+        ({**MINIMAL, "model": {"name": "m", "source": "pvc://"}}, "pvc://CLAIM/PATH"),
     ],
 )
 def test_invalid_specs_say_what_to_fix(raw: Any, fragment: str) -> None:

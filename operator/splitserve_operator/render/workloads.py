@@ -6,7 +6,13 @@ from typing import Any
 
 from splitserve_operator.render import commands, security
 from splitserve_operator.render.names import ANNOTATION_CONFIG_HASH, LABEL_INSTANCE, ServiceRef
-from splitserve_operator.spec import GPU_RESOURCE, InferenceServiceSpec, Pool, PoolSpec
+from splitserve_operator.spec import (
+    GPU_RESOURCE,
+    MODEL_MOUNT,
+    InferenceServiceSpec,
+    Pool,
+    PoolSpec,
+)
 
 TOKEN_FILE_MODE = 0o440
 """Owner and group (fsGroup) may read the token; nobody else."""
@@ -35,7 +41,9 @@ def _env(pool_spec: PoolSpec) -> list[dict[str, Any]]:
     return [var for var in commands.base_env() if var["name"] not in names] + user
 
 
-def _volumes(ref: ServiceRef, pool: Pool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(
+    ref: ServiceRef, spec: InferenceServiceSpec, pool: Pool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": ref.config_map}},
         {
@@ -55,6 +63,10 @@ def _volumes(ref: ServiceRef, pool: Pool) -> tuple[list[dict[str, Any]], list[di
         {"name": "tmp", "mountPath": commands.TMP_DIR},
         {"name": "cache", "mountPath": commands.CACHE_DIR},
     ]
+    if spec.model.claim is not None:  # the checkpoint (the router reads its tokenizer)
+        claim = {"claimName": spec.model.claim[0], "readOnly": True}
+        volumes.append({"name": "model", "persistentVolumeClaim": claim})
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
     if pool != Pool.ROUTER:
         # torch's DataLoader and NCCL use shared memory; the default 64 MiB is too small.
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
@@ -95,7 +107,7 @@ def _container(
 
 def _pod_spec(ref: ServiceRef, spec: InferenceServiceSpec, pool: Pool) -> dict[str, Any]:
     pool_spec = spec.pool(pool)
-    volumes, mounts = _volumes(ref, pool)
+    volumes, mounts = _volumes(ref, spec, pool)
     pod: dict[str, Any] = {
         "securityContext": security.pod_security_context(),
         "enableServiceLinks": False,
