@@ -9,9 +9,10 @@ a frozen :class:`InferenceServiceSpec` or raises :class:`SpecError` listing ever
 problem as ``spec.path: what is wrong (got VALUE)``.
 
 Pure: no Kubernetes client, no kopf. Field names are the CRD's camelCase on the
-wire and snake_case in Python. The models live in :mod:`.spec_models` and the
-enums and limits in :mod:`.spec_values`; both are re-exported here, the one place
-the rest of the operator imports them from.
+wire and snake_case in Python. The models live in :mod:`.spec_models` (their
+common base in :mod:`.spec_base`, the engine and router settings in
+:mod:`.spec_settings`) and the enums and limits in :mod:`.spec_values`; all are
+re-exported here, the one place the rest of the operator imports them from.
 """
 
 from __future__ import annotations
@@ -22,18 +23,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from splitserve_operator.spec_base import NonEmpty, Quantity
 from splitserve_operator.spec_models import (
     Affinity,
     AutoscalingSpec,
-    EngineSettings,
     EnvVar,
     InferenceServiceSpec,
     KvTransferSpec,
     ModelSpec,
     NetworkPolicySpec,
-    NonEmpty,
     PoolSpec,
-    Quantity,
     ReplicaBounds,
     ResourceRequirements,
     RouterSpec,
@@ -41,6 +40,7 @@ from splitserve_operator.spec_models import (
     Toleration,
     WorkerPoolSpec,
 )
+from splitserve_operator.spec_settings import EngineSettings
 from splitserve_operator.spec_values import (
     ENV_NAME_PATTERN,
     GPU_RESOURCE,

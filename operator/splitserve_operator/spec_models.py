@@ -10,18 +10,15 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     StringConstraints,
     field_validator,
     model_validator,
 )
-from pydantic.alias_generators import to_camel
 
+from splitserve_operator.spec_base import NonEmpty, Quantity, SpecModel
+from splitserve_operator.spec_settings import EngineSettings, RouterSettings
 from splitserve_operator.spec_values import (
-    ENGINE_MAX_BATCH_TOKENS,
-    ENGINE_MAX_NUM_SEQS,
     ENV_NAME_PATTERN,
     GPU_RESOURCE,
     LABEL_KEY_PATTERN,
@@ -32,7 +29,6 @@ from splitserve_operator.spec_values import (
     PVC_SOURCE,
     QUANTITY_PATTERN,
     URL_PATTERN,
-    Disaggregation,
     Dtype,
     KvBackend,
     Pool,
@@ -40,28 +36,10 @@ from splitserve_operator.spec_values import (
     ServiceType,
     TaintEffect,
     TolerationOperator,
-    quantity_bytes,
 )
 
-NonEmpty = Annotated[str, StringConstraints(min_length=1)]
-Quantity = int | str
-"""Checked against :data:`QUANTITY_PATTERN` by the model that holds it."""
-MIN_KV_CACHE_BYTES = 1 << 20
 
-
-class _Model(BaseModel):
-    """camelCase on the wire, unknown fields refused, types strict, values frozen."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        frozen=True,
-        strict=True,
-    )
-
-
-class ModelSpec(_Model):
+class ModelSpec(SpecModel):
     name: Annotated[str, StringConstraints(min_length=1, max_length=253)]
     """The model's name as served (``/v1/models``)."""
     source: Annotated[str, StringConstraints(min_length=1, max_length=2048)] | None = None
@@ -100,7 +78,7 @@ class ModelSpec(_Model):
         return self.source or self.name
 
 
-class ResourceRequirements(_Model):
+class ResourceRequirements(SpecModel):
     requests: dict[str, Quantity] | None = None
     limits: dict[str, Quantity] | None = None
 
@@ -119,7 +97,7 @@ class ResourceRequirements(_Model):
         return value
 
 
-class Toleration(_Model):
+class Toleration(SpecModel):
     key: str | None = None
     operator: TolerationOperator | None = None
     value: str | None = None
@@ -135,7 +113,7 @@ class Toleration(_Model):
         return self
 
 
-class EnvVar(_Model):
+class EnvVar(SpecModel):
     name: NonEmpty
     value: str | None = None
     value_from: dict[str, Any] | None = None
@@ -162,7 +140,7 @@ class EnvVar(_Model):
         return out
 
 
-class Affinity(_Model):
+class Affinity(SpecModel):
     """Kept as the user wrote it (the API server checks the inside)."""
 
     node_affinity: dict[str, Any] | None = None
@@ -179,7 +157,7 @@ def _check_selector(value: dict[str, str] | None) -> dict[str, str] | None:
     return value
 
 
-class PoolSpec(_Model):
+class PoolSpec(SpecModel):
     replicas: Annotated[int, Field(ge=0, le=MAX_REPLICAS)] = 1
     gpus: Annotated[int, Field(ge=0, le=MAX_GPUS_PER_POD)] = 1
     """GPUs per pod: becomes ``nvidia.com/gpu`` requests and limits; 0 runs on the CPU."""
@@ -202,92 +180,8 @@ class PoolSpec(_Model):
         return value
 
 
-class EngineSettings(_Model):
-    """How a worker pool's engines batch and size their KV pool (``splitserve worker``
-    flags); each one left out keeps the worker's default."""
-
-    max_num_seqs: Annotated[int, Field(ge=1, le=4096)] | None = None
-    """Most sequences in a running batch."""
-    max_batch_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
-    """Most tokens (prefill and decode together) computed in one step."""
-    prefill_chunk_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
-    """Prompt tokens per step while other sequences decode."""
-    gpu_memory_fraction: Annotated[float, Field(gt=0, le=1)] | None = None
-    """Share of the GPU memory left after the weights that the KV pool takes."""
-    kv_cache_memory: Quantity | None = None
-    """The KV pool's size as a quantity (``8Gi``); overrides ``gpuMemoryFraction``."""
-    threads: Annotated[int, Field(ge=1, le=512)] | None = None
-    """torch CPU threads per worker."""
-
-    @field_validator("kv_cache_memory")
-    @classmethod
-    def _memory(cls, value: Quantity | None) -> Quantity | None:
-        if value is not None and quantity_bytes(value) < MIN_KV_CACHE_BYTES:
-            raise ValueError(f"must be at least 1Mi (got {value!r})")
-        return value
-
-    @model_validator(mode="after")
-    def _batch_holds_the_sequences(self) -> EngineSettings:
-        seqs = self.max_num_seqs or ENGINE_MAX_NUM_SEQS
-        tokens = self.max_batch_tokens or ENGINE_MAX_BATCH_TOKENS
-        if tokens < seqs:
-            raise ValueError(
-                f"maxBatchTokens ({tokens}) must be at least maxNumSeqs ({seqs}): every "
-                "running sequence decodes one token per step"
-            )
-        return self
-
-
 class WorkerPoolSpec(PoolSpec):
     engine: EngineSettings | None = None
-
-
-Seconds = Annotated[float, Field(gt=0, le=86_400)]
-
-
-class RouterQueues(_Model):
-    """The router's two bounded queues (its ``queues`` config section)."""
-
-    prefill_max_waiting: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
-    """Requests waiting for a prefill slot; more get 429."""
-    decode_max_waiting: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
-    """Requests waiting for a decode slot; more get 429."""
-    prefill_slots_per_worker: Annotated[int, Field(ge=1, le=1024)] | None = None
-    decode_slots_per_worker: Annotated[int, Field(ge=1, le=4096)] | None = None
-    max_wait_seconds: Annotated[float, Field(gt=0, le=3600)] | None = None
-    """Longest wait in one queue before a 503."""
-    retry_after_seconds: Annotated[int, Field(ge=1, le=3600)] | None = None
-    """Retry-After of the 429 and 503 answers."""
-
-
-class RouterTimeouts(_Model):
-    """The router's bounds on each wait (its ``timeouts`` config section)."""
-
-    connect_seconds: Seconds | None = None
-    """Control calls to workers: Health, Reserve, Release, Cancel."""
-    prefill_seconds: Seconds | None = None
-    """One remote prefill, its KV push included."""
-    first_token_seconds: Seconds | None = None
-    inter_token_seconds: Seconds | None = None
-    """Longest gap between two tokens before the worker counts as lost."""
-    request_seconds: Seconds | None = None
-    """A whole request, end to end."""
-    health_interval_seconds: Annotated[float, Field(gt=0, le=600)] | None = None
-
-
-class RouterSettings(_Model):
-    """What the router does with requests; each one left out keeps the router's default
-    (``splitserve router --help``)."""
-
-    disaggregation: Disaggregation | None = None
-    """auto: a cost model decides per request; always / never: remote prefill or not."""
-    max_model_len: Annotated[int, Field(ge=2, le=10_000_000)] | None = None
-    """Lowers the longest prompt plus completion accepted (default: the model's own)."""
-    default_max_tokens: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
-    max_request_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] | None = None
-    max_retries: Annotated[int, Field(ge=0, le=10)] | None = None
-    queues: RouterQueues | None = None
-    timeouts: RouterTimeouts | None = None
 
 
 class RouterSpec(PoolSpec):
@@ -296,21 +190,21 @@ class RouterSpec(PoolSpec):
     settings: RouterSettings | None = None
 
 
-class KvTransferSpec(_Model):
+class KvTransferSpec(SpecModel):
     backend: KvBackend = KvBackend.GRPC
     lease_seconds: Annotated[int, Field(ge=1, le=3600)] = 30
     """How long a decode worker holds blocks reserved for a transfer that has not
     finished; an expired lease frees them."""
 
 
-class SloSpec(_Model):
+class SloSpec(SpecModel):
     ttft_seconds: Annotated[float, Field(gt=0, le=600)] | None = None
     tpot_seconds: Annotated[float, Field(gt=0, le=60)] | None = None
     percentile: Annotated[float, Field(gt=0, lt=1)] = 0.9
     """Quantile the objectives apply to, as a fraction: 0.9 is p90."""
 
 
-class ReplicaBounds(_Model):
+class ReplicaBounds(SpecModel):
     min_replicas: Annotated[int, Field(ge=0, le=MAX_REPLICAS)] = 1
     max_replicas: Annotated[int, Field(ge=1, le=MAX_REPLICAS)] = 8
 
@@ -327,7 +221,7 @@ class ReplicaBounds(_Model):
         return max(self.min_replicas, min(self.max_replicas, replicas))
 
 
-class AutoscalingSpec(_Model):
+class AutoscalingSpec(SpecModel):
     enabled: bool = False
     prometheus_url: str | None = None
     interval_seconds: Annotated[int, Field(ge=5, le=3600)] = 30
@@ -355,14 +249,14 @@ class AutoscalingSpec(_Model):
         raise ValueError(f"pool {pool} is not autoscaled")
 
 
-class NetworkPolicySpec(_Model):
+class NetworkPolicySpec(SpecModel):
     enabled: bool = True
     metrics_from: list[dict[str, Any]] | None = None
     """NetworkPolicy peers allowed to scrape the metrics port. ``None``: any pod in
     any namespace; ``[]``: nobody."""
 
 
-class InferenceServiceSpec(_Model):
+class InferenceServiceSpec(SpecModel):
     model: ModelSpec
     image: Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=r"^\S+$")]
     image_pull_policy: PullPolicy | None = None
