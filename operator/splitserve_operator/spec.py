@@ -44,6 +44,7 @@ from splitserve_operator.spec_settings import EngineSettings
 from splitserve_operator.spec_values import (
     ENV_NAME_PATTERN,
     GPU_RESOURCE,
+    GROUP,
     LABEL_KEY_PATTERN,
     LABEL_VALUE_PATTERN,
     MAX_GPUS_PER_POD,
@@ -68,6 +69,7 @@ from splitserve_operator.spec_values import (
 __all__ = [
     "ENV_NAME_PATTERN",
     "GPU_RESOURCE",
+    "GROUP",
     "LABEL_KEY_PATTERN",
     "LABEL_VALUE_PATTERN",
     "MAX_GPUS_PER_POD",

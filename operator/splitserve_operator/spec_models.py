@@ -21,6 +21,7 @@ from splitserve_operator.spec_settings import EngineSettings, RouterSettings
 from splitserve_operator.spec_values import (
     ENV_NAME_PATTERN,
     GPU_RESOURCE,
+    GROUP,
     LABEL_KEY_PATTERN,
     LABEL_VALUE_PATTERN,
     MAX_GPUS_PER_POD,
@@ -28,6 +29,7 @@ from splitserve_operator.spec_values import (
     MODEL_MOUNT,
     PVC_SOURCE,
     QUANTITY_PATTERN,
+    SUBDOMAIN_PATTERN,
     URL_PATTERN,
     Dtype,
     KvBackend,
@@ -157,6 +159,9 @@ def _check_selector(value: dict[str, str] | None) -> dict[str, str] | None:
     return value
 
 
+ClassName = Annotated[str, StringConstraints(max_length=253, pattern=SUBDOMAIN_PATTERN.pattern)]
+
+
 class PoolSpec(SpecModel):
     replicas: Annotated[int, Field(ge=0, le=MAX_REPLICAS)] = 1
     gpus: Annotated[int, Field(ge=0, le=MAX_GPUS_PER_POD)] = 1
@@ -166,8 +171,27 @@ class PoolSpec(SpecModel):
     tolerations: list[Toleration] | None = None
     affinity: Affinity | None = None
     env: list[EnvVar] | None = None
+    priority_class_name: ClassName | None = None
+    """The pods' PriorityClass (serving usually outranks batch work)."""
+    runtime_class_name: ClassName | None = None
+    """The pods' RuntimeClass (``nvidia`` where GPUs need that container runtime)."""
+    pod_annotations: dict[str, Annotated[str, StringConstraints(max_length=4096)]] | None = Field(
+        default=None, max_length=64
+    )
+    """Added to the pods' annotations (a service mesh's, a cost tool's); the operator's
+    own keys are not overridden."""
 
     _check_node_selector = field_validator("node_selector")(_check_selector)
+
+    @field_validator("pod_annotations")
+    @classmethod
+    def _annotation_keys(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        for key in value or {}:
+            if not LABEL_KEY_PATTERN.match(key) or len(key.split("/")[-1]) > 63:
+                raise ValueError(f"{key!r} is not a valid annotation key")
+            if key.split("/")[0] == GROUP:
+                raise ValueError(f"{key!r}: keys under {GROUP}/ are the operator's")
+        return value
 
     @field_validator("env")
     @classmethod

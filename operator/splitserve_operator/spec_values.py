@@ -12,6 +12,9 @@ import re
 from decimal import Decimal
 from enum import StrEnum
 
+GROUP = "splitserve.io"
+"""The API group of the InferenceService, and the prefix of the operator's own labels
+and annotations."""
 GPU_RESOURCE = "nvidia.com/gpu"
 """The extended resource a pool's ``gpus`` becomes (requests and limits)."""
 
@@ -36,6 +39,8 @@ LABEL_KEY_PATTERN = re.compile(
 )
 LABEL_VALUE_PATTERN = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 URL_PATTERN = re.compile(r"^https?://[^\s/$.?#][^\s]*$")
+SUBDOMAIN_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+"""DNS-1123 subdomain: what a PriorityClass or RuntimeClass name must be."""
 
 PVC_SOURCE = re.compile(r"^pvc://([a-z0-9]([-a-z0-9]*[a-z0-9])?)(/(.*))?$")
 """``pvc://CLAIM/PATH``: a checkpoint folder on a PersistentVolumeClaim of the namespace."""

@@ -203,6 +203,12 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
         "spec.decode.engine.gpuMemoryFraction",
     ),
     (
+        "priority class with capitals",
+        {"decode": {"priorityClassName": "High"}},
+        "spec.decode.priorityClassName",
+    ),
+    ("annotation not text", {"router": {"podAnnotations": {"a": 1}}}, "spec.router.podAnnotations"),
+    (
         "no queue wait",
         {"router": {"settings": {"queues": {"maxWaitSeconds": 0}}}},
         "spec.router.settings.queues.maxWaitSeconds",

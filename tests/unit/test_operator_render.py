@@ -152,6 +152,19 @@ def _pool_check(pool: str, field: str) -> Callable[[], None]:
             assert values["TOKEN"] == {"secretKeyRef": {"name": "s", "key": "k"}}
             names = [e["name"] for e in container(objs, pool)["env"]]
             assert len(names) == len(set(names))
+        elif field in ("priorityClassName", "runtimeClassName"):
+            objs = objects({pool: {field: "serving.high"}})
+            assert pod(objs, pool)[field] == "serving.high"
+            others = [p for p in ("prefill", "decode", "router") if p != pool]
+            assert all(field not in pod(objs, p) for p in others)
+        elif field == "podAnnotations":
+            mine = {"sidecar.istio.io/inject": "false", "prometheus.io/port": "1"}
+            objs = objects({pool: {"podAnnotations": mine}})
+            got = objs[f"Deployment/demo-{pool}"]["spec"]["template"]["metadata"]["annotations"]
+            assert got["sidecar.istio.io/inject"] == "false"
+            assert "splitserve.io/config-hash" in got
+            if pool != "router":  # the operator's scrape hints are not overridden
+                assert got["prometheus.io/port"] == str(WORKER_METRICS_PORT)
         else:  # pragma: no cover
             raise AssertionError(field)
 
@@ -271,6 +284,9 @@ FIELD_CHECKS: dict[str, Callable[[], None]] = {
             "tolerations",
             "affinity",
             "env",
+            "priorityClassName",
+            "runtimeClassName",
+            "podAnnotations",
         )
     },
     **{

@@ -140,6 +140,11 @@ def test_every_problem_is_listed_with_its_path_and_value() -> None:
         ({**MINIMAL, "slo": {"percentile": 90}}, "spec.slo.percentile"),
         ({**MINIMAL, "model": {"name": "m", "source": "pvc://w/../etc"}}, "(no '..')"),
         ({**MINIMAL, "model": {"name": "m", "source": "pvc://"}}, "pvc://CLAIM/PATH"),
+        (
+            {**MINIMAL, "decode": {"podAnnotations": {"splitserve.io/config-hash": "x"}}},
+            "are the operator's",
+        ),
+        ({**MINIMAL, "decode": {"podAnnotations": {"bad key!": "x"}}}, "not a valid annotation"),
     ],
 )
 def test_invalid_specs_say_what_to_fix(raw: Any, fragment: str) -> None:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve_operator.spec import Pool
+from splitserve_operator.spec import GROUP, Pool
 
-GROUP = "splitserve.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "InferenceService"

@@ -134,6 +134,10 @@ def _pod_spec(ref: ServiceRef, spec: InferenceServiceSpec, pool: Pool) -> dict[s
         affinity = pool_spec.affinity.model_dump(by_alias=True, exclude_none=True, mode="json")
         if affinity:
             pod["affinity"] = affinity
+    if pool_spec.priority_class_name:
+        pod["priorityClassName"] = pool_spec.priority_class_name
+    if pool_spec.runtime_class_name:
+        pod["runtimeClassName"] = pool_spec.runtime_class_name
     return pod
 
 
@@ -146,7 +150,8 @@ def deployment(
     config_hash: str,
 ) -> dict[str, Any]:
     labels = ref.labels(pool.value)
-    annotations = {ANNOTATION_CONFIG_HASH: config_hash}
+    # the user's first, so that ours (the config hash, the scrape hints) win
+    annotations = {**(spec.pool(pool).pod_annotations or {}), ANNOTATION_CONFIG_HASH: config_hash}
     if pool != Pool.ROUTER:
         labels[commands.ROLE_LABEL] = pool.value
         annotations.update(
