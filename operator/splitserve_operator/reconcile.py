@@ -241,6 +241,8 @@ class Reconciler:
         actual = known
         if actual is None and fetch and not desired.create_only:
             actual = self.cluster.get(kind, desired.namespace, desired.name)
+        if actual is None and desired.existing_only:
+            return Action.UNCHANGED, None
         if actual is None:
             manifest = (
                 desired.manifest

@@ -24,7 +24,17 @@ def objects(
     spec = parse_spec(raw, name=REF.name)
     plan = replicas or {pool: plan_replicas(spec, pool) for pool in Pool}
     out = render(REF, spec, RenderInputs(replicas=plan, token="secret-token"))
-    return {f"{d.kind}/{d.name}": d.manifest for d in out}
+    return {f"{d.kind}/{d.name}": d.manifest for d in out if not d.existing_only}
+
+
+def existing_only(changes: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """What render patches only where it already exists (an object turned off)."""
+    raw = copy.deepcopy(BASE)
+    raw.update(changes or {})
+    spec = parse_spec(raw, name=REF.name)
+    plan = {pool: plan_replicas(spec, pool) for pool in Pool}
+    out = render(REF, spec, RenderInputs(replicas=plan, token="secret-token"))
+    return {f"{d.kind}/{d.name}": d.manifest for d in out if d.existing_only}
 
 
 def pod(objs: dict[str, dict[str, Any]], pool: str) -> dict[str, Any]:

@@ -259,3 +259,22 @@ def test_a_lasting_problem_is_announced_once() -> None:
     rec.reconcile(latest(cluster))
     rec.reconcile(latest(cluster))
     assert [e[1] for e in cluster.events if e[0] == "Warning"] == ["ApplyFailed"]
+
+
+def test_a_network_policy_turned_off_is_opened_not_left_closed() -> None:
+    cluster = FakeCluster()
+    rec = reconciler(cluster)
+    key = ("NetworkPolicy", "ns", "demo-workers")
+    # never enabled: nothing is made
+    rec.reconcile(service(cluster, networkPolicy={"enabled": False}))
+    assert key not in cluster.objects
+    cluster = FakeCluster()
+    rec = reconciler(cluster)
+    rec.reconcile(service(cluster))
+    assert len(cluster.objects[key]["spec"]["ingress"]) == 3
+    body = service(cluster, networkPolicy={"enabled": False})
+    body["status"] = {"observedGeneration": 1}
+    outcome = rec.reconcile(body)
+    assert outcome.actions["NetworkPolicy/demo-workers"] == Action.PATCHED
+    assert cluster.objects[key]["spec"]["ingress"] == [{}]
+    assert rec.reconcile(body).actions["NetworkPolicy/demo-workers"] == Action.UNCHANGED

@@ -17,7 +17,7 @@ from splitserve_operator.render.commands import (
 from splitserve_operator.spec import Pool, parse_spec
 
 sys.path.insert(0, str(Path(__file__).parent))
-from render_helpers import BASE, arg, config, container, env, objects, pod
+from render_helpers import BASE, arg, config, container, env, existing_only, objects, pod
 from render_settings import (
     ENGINE_SETTINGS,
     ROUTER_SECTIONS,
@@ -251,6 +251,10 @@ def _bounds(pool: Pool, field: str) -> Callable[[], None]:
 def _network_policy_enabled() -> None:
     assert "NetworkPolicy/demo-workers" in objects()
     assert "NetworkPolicy/demo-workers" not in objects({"networkPolicy": {"enabled": False}})
+    # turned off after it was made, the policy is opened to everyone, not left closed
+    (opened,) = existing_only({"networkPolicy": {"enabled": False}}).values()
+    assert opened["metadata"]["name"] == "demo-workers" and opened["spec"]["ingress"] == [{}]
+    assert existing_only() == {}
 
 
 def _network_policy_metrics_from() -> None:

@@ -18,6 +18,9 @@ class Desired:
     manifest: dict[str, Any]
     create_only: bool = False
     """Create when absent, never patch (the token Secret: generated once)."""
+    existing_only: bool = False
+    """Patched if it exists, never created: an object the spec turned off after it was
+    made is neutralised in place (the operator deletes nothing; its owner does)."""
 
     @property
     def api_version(self) -> str:
@@ -58,8 +61,8 @@ def render(ref: ServiceRef, spec: InferenceServiceSpec, inputs: RenderInputs) ->
         Desired(support.router_service_account(ref)),
         Desired(support.router_role_binding(ref, inputs.router_cluster_role)),
     ]
-    if spec.network_policy.enabled:
-        objects.append(Desired(support.network_policy(ref, spec)))
+    policy = support.network_policy(ref, spec)
+    objects.append(Desired(policy, existing_only=not spec.network_policy.enabled))
     objects += [Desired(workloads.service(ref, spec, pool)) for pool in Pool]
     objects += [
         Desired(

@@ -110,7 +110,17 @@ def _pods(ref: ServiceRef, pools: tuple[Pool, ...]) -> dict[str, Any]:
 def network_policy(ref: ServiceRef, spec: InferenceServiceSpec) -> dict[str, Any]:
     """Only the instance's router (gRPC port) and peer workers (any port: NIXL/UCX
     picks its own) reach the workers; the metrics port is open to
-    ``networkPolicy.metricsFrom`` (default: any pod in the cluster)."""
+    ``networkPolicy.metricsFrom`` (default: any pod in the cluster). Turned off, the
+    policy admits everything (what a policy made before is patched to)."""
+    selector = _pods(ref, WORKER_POOLS)["podSelector"]
+    meta = ref.metadata(ref.network_policy, "network-policy")
+    if not spec.network_policy.enabled:
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": meta,
+            "spec": {"podSelector": selector, "policyTypes": ["Ingress"], "ingress": [{}]},
+        }
     ingress: list[dict[str, Any]] = [
         {
             "from": [_pods(ref, (Pool.ROUTER,))],
@@ -128,10 +138,9 @@ def network_policy(ref: ServiceRef, spec: InferenceServiceSpec) -> dict[str, Any
                 "ports": [{"protocol": "TCP", "port": commands.WORKER_METRICS_PORT}],
             }
         )
-    selector = _pods(ref, WORKER_POOLS)["podSelector"]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": ref.metadata(ref.network_policy, "network-policy"),
+        "metadata": meta,
         "spec": {"podSelector": selector, "policyTypes": ["Ingress"], "ingress": ingress},
     }
