@@ -57,3 +57,12 @@ def test_worker_config_checks_fields_and_hides_token() -> None:
         WorkerConfig(role="decode", model="m", token="t", gpu_memory_fraction=0)
     with pytest.raises(ConfigError, match="--prefill-chunk-tokens"):
         WorkerConfig(role="decode", model="m", token="t", prefill_chunk_tokens=0)
+    # the engine's checks, with the worker's flag names
+    for kw, words in [({"block_size": 0}, "--block-size must be >= 1, got 0"),
+                      ({"threads": 0}, "--threads must be >= 1, got 0"),
+                      ({"num_blocks": 0}, "--num-blocks must be >= 1"),
+                      ({"kv_cache_memory": 0}, "--kv-cache-memory must be a positive byte"),
+                      ({"dtype": "int4"}, "--dtype must be auto, float32")]:  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            WorkerConfig(role="decode", model="m", token="t", **kw)  # type: ignore[arg-type]
+        assert words in str(e.value)

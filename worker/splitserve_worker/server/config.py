@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -15,6 +16,21 @@ KV_BACKENDS = ("grpc", "nixl")
 
 class ConfigError(ValueError):
     """A worker setting is out of range; the message names the flag."""
+
+
+ENGINE_FLAGS = {
+    "block_size": "--block-size", "kv_cache_memory": "--kv-cache-memory",
+    "num_blocks": "--num-blocks", "max_num_seqs": "--max-num-seqs",
+    "max_batch_tokens": "--max-batch-tokens", "prefill_chunk_tokens": "--prefill-chunk-tokens",
+    "gpu_memory_fraction": "--gpu-memory-fraction", "num_threads": "--threads",
+    "dtype": "--dtype",
+}  # fmt: skip
+"""The engine's settings and the worker flags that set them."""
+
+
+def _as_flags(message: str) -> str:
+    """An engine config error with its field names as the worker's flags."""
+    return re.sub(r"\b(" + "|".join(ENGINE_FLAGS) + r")\b", lambda m: ENGINE_FLAGS[m[1]], message)
 
 
 @dataclass(frozen=True)
@@ -71,33 +87,14 @@ class WorkerConfig:
             raise ConfigError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         if not self.lease_seconds > 0:
             raise ConfigError(f"--lease-seconds must be > 0, got {self.lease_seconds}")
-        if self.block_size < 1:
-            raise ConfigError(f"--block-size must be >= 1, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ConfigError(f"--num-blocks must be >= 1, got {self.num_blocks}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
-            raise ConfigError(f"--kv-cache-memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0 <= self.kv_streams <= MAX_STREAMS:
             raise ConfigError(
                 f"--kv-streams must be 0 (by core count) to {MAX_STREAMS}, got {self.kv_streams}"
             )
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_batch_tokens < self.max_num_seqs:
-            raise ConfigError(
-                f"--max-batch-tokens ({self.max_batch_tokens}) must be >= --max-num-seqs "
-                f"({self.max_num_seqs}): every running sequence decodes in one step"
-            )
-        if self.prefill_chunk_tokens < 1:
-            raise ConfigError(
-                f"--prefill-chunk-tokens must be >= 1, got {self.prefill_chunk_tokens}"
-            )
-        if not 0.0 < self.gpu_memory_fraction <= 1.0:
-            raise ConfigError(
-                f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}"
-            )
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+        try:  # the engine's own checks, said with the flags' names
+            self.engine_config()
+        except ValueError as e:
+            raise ConfigError(_as_flags(str(e))) from None
         if not self.token:
             raise ConfigError(
                 "a worker token is required (--token-file or SPLITSERVE_WORKER_TOKEN)"
