@@ -225,3 +225,39 @@ def test_prefill_killed_mid_prefill_leaves_decode_holding_nothing(
         asyncio.run(scenario())
     finally:
         victim.kill()
+
+
+def test_a_stopping_worker_lets_running_streams_finish_and_refuses_new_calls(
+    tiny_model_path: Path,
+) -> None:
+    """SIGTERM (a rolling update, a drain): the stream under way runs to its end within
+    ``--drain-seconds`` rather than being cut and moved; a new call is refused at once,
+    so the router sends it elsewhere; the worker then exits by itself."""
+    proc = spawn(tiny_model_path, "both", "--drain-seconds", "60")
+    want = 160
+
+    async def go() -> tuple[list[int], grpc.StatusCode | None]:
+        c = WorkerClient(proc.address, TOKEN)
+        got: list[int] = []
+        refused: grpc.StatusCode | None = None
+        sp = pb.SamplingParams(max_tokens=want, ignore_eos=True)
+        async for chunk in c.generate("drain-1", prompt_of(24), sp):
+            got += list(chunk.token_ids)
+            if refused is None and len(got) >= 4:
+                proc.popen.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.5)
+                try:
+                    await collect(c.generate("drain-2", prompt_of(8), sp))
+                except grpc.aio.AioRpcError as e:
+                    refused = e.code()
+        await c.close()
+        return got, refused
+
+    try:
+        got, refused = asyncio.run(go())
+        assert len(got) == want  # every token of the running stream came
+        assert refused == grpc.StatusCode.UNAVAILABLE
+        assert proc.popen.wait(timeout=30) == 0  # long before the 60 s: nothing left to wait on
+        assert "stopping: running calls have 60 s to finish" in proc.lines
+    finally:
+        proc.kill()

@@ -149,7 +149,10 @@ def test_command_lines() -> None:
         TOKEN_FILE,
         "--metrics-port",
         str(WORKER_METRICS_PORT),
+        "--drain-seconds",
+        "50",
     ]
+    assert pod(objs, "decode")["terminationGracePeriodSeconds"] == 60
     assert arg(objs, "decode", "--role") == "decode"
     assert container(objs, "router")["args"] == [
         "router",

@@ -17,6 +17,11 @@ WORKER_GRPC_PORT = 50051
 """Workers' gRPC port: Prefill/Reserve/Decode calls and KV pushes (``grpc`` backend)."""
 WORKER_METRICS_PORT = 9100
 """Workers' Prometheus ``/metrics`` port."""
+WORKER_GRACE_SECONDS = 60
+"""Workers' terminationGracePeriodSeconds: a drain or rolling update gives them this long."""
+WORKER_DRAIN_SECONDS = WORKER_GRACE_SECONDS - 10
+"""How long a stopping worker lets running streams finish (``--drain-seconds``): most end
+where they are instead of moving to another worker; the rest move when it is up."""
 ROUTER_HTTP_PORT = 8000
 """The router's OpenAI-compatible HTTP port; it also serves ``/metrics``."""
 ROUTER_METRICS_SERVICE_PORT = 9100
@@ -64,6 +69,8 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
         TOKEN_FILE,
         "--metrics-port",
         str(WORKER_METRICS_PORT),
+        "--drain-seconds",
+        str(WORKER_DRAIN_SECONDS),
         *engine_args(spec, pool),
     ]
 

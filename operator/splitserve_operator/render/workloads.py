@@ -120,7 +120,7 @@ def _pod_spec(ref: ServiceRef, spec: InferenceServiceSpec, pool: Pool) -> dict[s
     else:
         # Workers never call the Kubernetes API: no token in their pods.
         pod["automountServiceAccountToken"] = False
-        pod["terminationGracePeriodSeconds"] = 60
+        pod["terminationGracePeriodSeconds"] = commands.WORKER_GRACE_SECONDS
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = [dict(ref_) for ref_ in spec.image_pull_secrets]
     if pool_spec.node_selector:

@@ -2,7 +2,8 @@
 
 Prints one line ``READY <host:port>`` on stdout once it serves (preceded by
 ``METRICS <port>`` when it serves Prometheus metrics), then runs until SIGTERM or SIGINT,
-when it stops taking calls, lets running ones finish for a moment, and exits.
+when it stops taking calls, lets running ones finish for up to ``--drain-seconds``, and
+exits.
 """
 
 from __future__ import annotations
@@ -85,6 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="concurrent connections a grpc KV push uses (0: 2 on 8 or more cores, else 1)",
     )
     p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=2.0,
+        help="on SIGTERM, how long running calls (streams) may go on before the worker "
+        "exits; new calls are refused at once",
+    )
+    p.add_argument(
         "--parent-pid",
         type=int,
         default=None,
@@ -131,6 +139,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         max_batch_tokens=args.max_batch_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         gpu_memory_fraction=args.gpu_memory_fraction,
+        drain_seconds=args.drain_seconds,
         faults=FaultConfig.from_env(),
     )
 
@@ -155,7 +164,8 @@ async def serve(config: WorkerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await worker.stop(grace=2.0)
+    print(f"stopping: running calls have {config.drain_seconds:g} s to finish", flush=True)
+    await worker.stop(grace=config.drain_seconds)
     return 0
 
 

@@ -72,6 +72,8 @@ class WorkerConfig:
     gpu_memory_fraction: float = 0.5
     """Share of the GPU memory free after the weights that the KV pool takes (unless
     ``kv_cache_memory`` or ``num_blocks``)."""
+    drain_seconds: float = 2.0
+    """On SIGTERM: how long running calls may go on before the worker exits."""
     faults: FaultConfig = field(default_factory=FaultConfig)
     transfer_timeout_s: float = 120.0
     """Longest a prefill worker waits for the decode side to acknowledge a push."""
@@ -87,6 +89,8 @@ class WorkerConfig:
             raise ConfigError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         if not self.lease_seconds > 0:
             raise ConfigError(f"--lease-seconds must be > 0, got {self.lease_seconds}")
+        if not 0 <= self.drain_seconds <= 3600:
+            raise ConfigError(f"--drain-seconds must be in [0, 3600], got {self.drain_seconds}")
         if not 0 <= self.kv_streams <= MAX_STREAMS:
             raise ConfigError(
                 f"--kv-streams must be 0 (by core count) to {MAX_STREAMS}, got {self.kv_streams}"
