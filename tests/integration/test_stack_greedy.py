@@ -18,6 +18,7 @@ import httpx
 import pytest
 from splitserve_worker.commands.up import WorkerProcs
 from splitserve_worker.kv.transport import unavailable_reason
+from splitserve_worker.router.config import QueueConfig
 from splitserve_worker.router.discovery import WorkerEndpoint
 from splitserve_worker.router.local import RouterThread
 from splitserve_worker.router.scoring import Role
@@ -286,3 +287,42 @@ def test_prefix_index_follows_the_workers_block_events(
 
 async def _match(rt: RouterThread, hashes: list[int]) -> dict[str, int]:
     return rt.service.planner.index.match(hashes)
+
+
+@pytest.mark.parametrize("stack", ["disaggregated", "colocated"])
+def test_a_stream_outlives_its_worker_leaving_discovery(
+    stack: str, workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any
+) -> None:
+    """A pod being deleted leaves discovery while it drains: the router sends it nothing
+    new, and the stream already running there goes on to its last token instead of being
+    cut (and moved) when the router lets go of the worker."""
+
+    async def forget_all(rt: RouterThread) -> None:
+        rt.service.pool.set_endpoints([])
+
+    n = 120
+    token, eps = workers
+    roles = (Role.PREFILL, Role.DECODE) if stack == "disaggregated" else (Role.BOTH,)
+    rt = router(token, tokenizer, [e for e in eps if e.role in roles],
+                disaggregation=ALWAYS_REMOTE, queues=QueueConfig(max_wait_s=1))  # fmt: skip
+    with rt as base:
+        body = {"prompt": PROMPTS[1], "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}  # fmt: skip
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        expected = r.json()["choices"][0]["token_ids"]
+        ids: list[int] = []
+        finish = None
+        with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True},
+                          timeout=120) as r:  # fmt: skip
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                ids += choice.get("token_ids", [])
+                finish = choice["finish_reason"] or finish
+                if len(ids) >= 3 and rt.service.pool.snapshot():
+                    rt.call(forget_all(rt))
+        assert not rt.service.pool.snapshot()
+        assert ids == expected and finish == "length"
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503  # nothing left to send new work to

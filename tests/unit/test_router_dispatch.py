@@ -118,7 +118,7 @@ class MemWorker:
         self.cancelled.append(request_id)
         return True
 
-    async def close(self) -> None:
+    async def close(self, grace: float | None = None) -> None:
         return None
 
 

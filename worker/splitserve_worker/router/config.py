@@ -140,6 +140,9 @@ class TimeoutConfig:
     """Lease on a decode worker's reserved blocks while the KV is pushed."""
     health_interval_s: float = 1.0
     """How often the router polls each worker's Health."""
+    drain_s: float = 60.0
+    """Streams already running on a worker that leaves discovery (its pod is being
+    deleted: it drains for 50 s in a cluster) keep its connection this long."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -45,8 +45,10 @@ class WorkerPool:
         health_interval_s: float = 1.0,
         health_timeout_s: float = 5.0,
         on_change: Callable[[], None] | None = None,
+        drain_s: float = 60.0,
     ) -> None:
         self._connect = connect
+        self.drain_s = drain_s
         self.index = index
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
@@ -55,7 +57,8 @@ class WorkerPool:
         self._members: dict[str, Member] = {}
         self._snapshot: tuple[WorkerView, ...] = ()
         self._changed = asyncio.Event()
-        self._closing: set[asyncio.Task[None]] = set()
+        self._closing: dict[asyncio.Task[None], WorkerConn] = {}
+        """Connections of workers that left, closing once their streams end."""
 
     # ---- reading ----
 
@@ -121,9 +124,11 @@ class WorkerPool:
         for t in m.tasks:
             t.cancel()
         self.index.remove_worker(name)
-        closing = asyncio.create_task(m.conn.close())
-        self._closing.add(closing)
-        closing.add_done_callback(self._closing.discard)
+        # no new requests go there; the streams under way may finish (a stopping worker
+        # drains them) before the connection closes
+        closing = asyncio.create_task(m.conn.close(grace=self.drain_s))
+        self._closing[closing] = m.conn
+        closing.add_done_callback(lambda t: self._closing.pop(t, None))
 
     async def follow(self, discovery: Discovery) -> None:
         async for endpoints in discovery.watch():
@@ -136,6 +141,9 @@ class WorkerPool:
                 t.cancel()
             with contextlib.suppress(Exception):
                 await m.conn.close()
+        for conn in list(self._closing.values()):  # the router stops: no more waiting
+            with contextlib.suppress(Exception):
+                await conn.close()
         self._snapshot = ()
 
     def _publish(self, notify: bool = True) -> None:

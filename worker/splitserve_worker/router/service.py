@@ -52,6 +52,7 @@ class RouterService:
             health_interval_s=cfg.timeouts.health_interval_s,
             health_timeout_s=cfg.timeouts.connect_s,
             on_change=self._on_change,
+            drain_s=cfg.timeouts.drain_s,
         )
         self.dispatcher = Dispatcher(
             cfg, self.pool, self.planner, engine_block_hashes(cfg.block_size), self.metrics

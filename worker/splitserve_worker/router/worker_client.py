@@ -99,4 +99,5 @@ class WorkerConn(Protocol):
 
     async def cancel(self, request_id: str, timeout: float | None = None) -> bool: ...
 
-    async def close(self) -> None: ...
+    async def close(self, grace: float | None = None) -> None:
+        """Close the connection; with ``grace``, calls under way have that long to end."""

@@ -51,8 +51,10 @@ class WorkerClient:
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
 
-    async def close(self) -> None:
-        await self._channel.close(grace=None)
+    async def close(self, grace: float | None = None) -> None:
+        """Close the channel: calls under way are cancelled, or with ``grace`` have that
+        many seconds to end first."""
+        await self._channel.close(grace=grace)
 
     async def __aenter__(self) -> WorkerClient:
         return self
