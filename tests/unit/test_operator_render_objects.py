@@ -152,7 +152,8 @@ def test_command_lines() -> None:
         "--drain-seconds",
         "50",
     ]
-    assert pod(objs, "decode")["terminationGracePeriodSeconds"] == 60
+    for pool in ("prefill", "decode", "router"):
+        assert pod(objs, pool)["terminationGracePeriodSeconds"] == 60
     assert arg(objs, "decode", "--role") == "decode"
     assert container(objs, "router")["args"] == [
         "router",

@@ -17,9 +17,9 @@ WORKER_GRPC_PORT = 50051
 """Workers' gRPC port: Prefill/Reserve/Decode calls and KV pushes (``grpc`` backend)."""
 WORKER_METRICS_PORT = 9100
 """Workers' Prometheus ``/metrics`` port."""
-WORKER_GRACE_SECONDS = 60
-"""Workers' terminationGracePeriodSeconds: a drain or rolling update gives them this long."""
-WORKER_DRAIN_SECONDS = WORKER_GRACE_SECONDS - 10
+POD_GRACE_SECONDS = 60
+"""Every pod's terminationGracePeriodSeconds: a drain or rolling update gives it this long."""
+WORKER_DRAIN_SECONDS = POD_GRACE_SECONDS - 10
 """How long a stopping worker lets running streams finish (``--drain-seconds``): most end
 where they are instead of moving to another worker; the rest move when it is up."""
 ROUTER_HTTP_PORT = 8000

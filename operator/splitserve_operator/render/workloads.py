@@ -113,6 +113,9 @@ def _pod_spec(ref: ServiceRef, spec: InferenceServiceSpec, pool: Pool) -> dict[s
         "enableServiceLinks": False,
         "containers": [_container(ref, spec, pool, mounts)],
         "volumes": volumes,
+        # a stopping pod's streams get this long to end (the router's HTTP streams
+        # too: it stops taking connections and serves the open ones until then)
+        "terminationGracePeriodSeconds": commands.POD_GRACE_SECONDS,
     }
     if pool == Pool.ROUTER:
         pod["serviceAccountName"] = ref.router_service_account
@@ -120,7 +123,6 @@ def _pod_spec(ref: ServiceRef, spec: InferenceServiceSpec, pool: Pool) -> dict[s
     else:
         # Workers never call the Kubernetes API: no token in their pods.
         pod["automountServiceAccountToken"] = False
-        pod["terminationGracePeriodSeconds"] = commands.WORKER_GRACE_SECONDS
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = [dict(ref_) for ref_ in spec.image_pull_secrets]
     if pool_spec.node_selector:
