@@ -121,6 +121,25 @@ def test_replica_change_reaches_the_deployment(
         assert d["spec"]["template"]["spec"]["containers"][0]["image"] == "splitserve/worker:0.2.0"
 
 
+def test_a_network_policy_turned_off_is_opened(
+    kube, kube_client, start_operator, inference_service, wait_for
+) -> None:
+    """The operator deletes nothing: turned off, the policy it made admits everyone."""
+    from splitserve_operator.k8s import KINDS
+
+    policy = KINDS[("networking.k8s.io/v1", "NetworkPolicy")]
+    start_operator()
+    kube_client.create(inference_service())
+    wait_for(lambda: all_children(kube) and converged(kube_client))
+    closed = kube_client.get(policy, "default", "demo-workers")
+    assert closed is not None and len(closed["spec"]["ingress"]) == 3
+    kube_client.patch(INFERENCE_SERVICE, "default", "demo", {"spec": {"networkPolicy": {
+        "enabled": False}}})  # fmt: skip
+    wait_for(lambda: (kube_client.get(policy, "default", "demo-workers") or {}).get("spec", {})
+             .get("ingress") == [{}], message="the policy opened")  # fmt: skip
+    wait_for(lambda: converged(kube_client))
+
+
 def test_an_edited_deployment_is_restored(
     kube, kube_client, start_operator, inference_service, wait_for
 ) -> None:
