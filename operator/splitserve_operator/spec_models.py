@@ -25,6 +25,7 @@ from splitserve_operator.spec_values import (
     LABEL_KEY_PATTERN,
     LABEL_VALUE_PATTERN,
     MAX_GPUS_PER_POD,
+    MAX_KV_STREAMS,
     MAX_REPLICAS,
     MODEL_MOUNT,
     PVC_SOURCE,
@@ -219,6 +220,10 @@ class KvTransferSpec(SpecModel):
     lease_seconds: Annotated[int, Field(ge=1, le=3600)] = 30
     """How long a decode worker holds blocks reserved for a transfer that has not
     finished; an expired lease frees them."""
+    checksums: bool = False
+    """A crc32 per pushed layer, checked on arrival (catches corruption; costs a pass)."""
+    streams: Annotated[int, Field(ge=0, le=MAX_KV_STREAMS)] = 0
+    """Connections a ``grpc`` push uses; 0: by the prefill pod's cores (2 on 8 or more)."""
 
 
 class SloSpec(SpecModel):

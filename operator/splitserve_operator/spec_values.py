@@ -48,6 +48,8 @@ MODEL_MOUNT = "/models"
 """Where a ``pvc://`` source's claim is mounted (read-only) in every pod."""
 
 MAX_REPLICAS = 1000
+MAX_KV_STREAMS = 8
+"""The worker's most connections per ``grpc`` KV push (a test keeps it equal)."""
 MAX_GPUS_PER_POD = 16
 
 ENGINE_MAX_NUM_SEQS = 64

@@ -131,6 +131,7 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("unknown backend", {"kvTransfer": {"backend": "rdma"}}, "spec.kvTransfer.backend"),
     ("zero lease", {"kvTransfer": {"leaseSeconds": 0}}, "spec.kvTransfer.leaseSeconds"),
+    ("nine streams", {"kvTransfer": {"streams": 9}}, "spec.kvTransfer.streams"),
     ("zero ttft", {"slo": {"ttftSeconds": 0}}, "spec.slo.ttftSeconds"),
     ("percentile as percent", {"slo": {"percentile": 90}}, "spec.slo.percentile"),
     (

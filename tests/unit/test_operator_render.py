@@ -190,6 +190,23 @@ def _kv_lease() -> None:
     assert router_config(objs)[1].timeouts.lease_s == 12
 
 
+def _kv_checksums() -> None:
+    objs = objects({"kvTransfer": {"checksums": True}})
+    for pool in ("prefill", "decode"):
+        assert "--checksums" in container(objs, pool)["args"]
+        assert "--checksums" not in container(objects(), pool)["args"]
+
+
+def _kv_streams() -> None:
+    from splitserve_operator.spec_values import MAX_KV_STREAMS
+    from splitserve_worker.kv.transport import MAX_STREAMS
+
+    assert MAX_KV_STREAMS == MAX_STREAMS
+    objs = objects({"kvTransfer": {"streams": 4}})
+    assert arg(objs, "prefill", "--kv-streams") == "4"
+    assert "--kv-streams" not in container(objects(), "prefill")["args"]  # by the pod's cores
+
+
 def _planner_only() -> None:
     """SLO and Prometheus settings are the planner's (it reads the spec): tuning them must
     not change (and so restart) any workload."""
@@ -307,6 +324,8 @@ FIELD_CHECKS: dict[str, Callable[[], None]] = {
     },
     "kvTransfer.backend": _kv_backend,
     "kvTransfer.leaseSeconds": _kv_lease,
+    "kvTransfer.checksums": _kv_checksums,
+    "kvTransfer.streams": _kv_streams,
     "slo.ttftSeconds": _planner_only,
     "slo.tpotSeconds": _planner_only,
     "slo.percentile": _planner_only,

@@ -71,6 +71,8 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
         str(WORKER_METRICS_PORT),
         "--drain-seconds",
         str(WORKER_DRAIN_SECONDS),
+        *(["--checksums"] if spec.kv_transfer.checksums else []),
+        *(["--kv-streams", str(spec.kv_transfer.streams)] if spec.kv_transfer.streams else []),
         *engine_args(spec, pool),
     ]
 
