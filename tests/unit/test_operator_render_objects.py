@@ -310,3 +310,14 @@ def test_each_pool_has_a_disruption_budget_over_its_own_pods() -> None:
         for other in ("prefill", "decode", "router"):
             labels = objs[f"Deployment/demo-{other}"]["spec"]["template"]["metadata"]["labels"]
             assert (match.items() <= labels.items()) == (other == pool), (pool, other)
+
+
+def test_no_pod_is_killed_for_being_slow_to_start() -> None:
+    """Liveness starts once the startup probe passes: workers load weights (from the hub,
+    up to 30 min), the router its tokenizer (up to 10 min)."""
+    objs = objects()
+    for pool, budget in (("prefill", 1800), ("decode", 1800), ("router", 600)):
+        c = container(objs, pool)
+        startup = c["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] == budget
+        assert startup["tcpSocket"] == c["livenessProbe"]["tcpSocket"]

@@ -181,8 +181,11 @@ def worker_probes() -> dict[str, Any]:
 
 
 def router_probes() -> dict[str, Any]:
+    """Liveness only once it listens: before that the router fetches the tokenizer (a hub
+    id) or converts the built-in model, which may take longer than liveness allows."""
     tcp = {"tcpSocket": {"port": "http"}}
     return {
+        "startupProbe": {**tcp, "periodSeconds": 5, "failureThreshold": 120},
         "readinessProbe": {**tcp, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {**tcp, "periodSeconds": 20, "failureThreshold": 3},
     }
