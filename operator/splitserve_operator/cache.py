@@ -11,7 +11,12 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-Key = tuple[str, str]
+from splitserve_operator.reconcile_bodies import as_map
+from splitserve_operator.serializer import Key, key_of
+
+
+def _uid(body: Mapping[str, Any]) -> str:
+    return str(as_map(body.get("metadata")).get("uid") or "")
 
 
 class ServiceCache:
@@ -22,12 +27,11 @@ class ServiceCache:
         """The uid last seen deleted under each key (until a body comes back there)."""
 
     def observe(self, event_type: str | None, body: Mapping[str, Any]) -> Key:
-        meta = body.get("metadata") or {}
-        key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+        key = key_of(body)
         with self._lock:
             if event_type == "DELETED":
                 self._bodies.pop(key, None)
-                self._gone[key] = str(meta.get("uid") or "")
+                self._gone[key] = _uid(body)
             else:
                 self._bodies[key] = copy.deepcopy(dict(body))
                 self._gone.pop(key, None)
@@ -36,10 +40,9 @@ class ServiceCache:
     def deleted(self, body: Mapping[str, Any]) -> bool:
         """Whether the watch saw this very object (its uid) deleted, and nothing of its
         name since: a body read before that is stale."""
-        meta = body.get("metadata") or {}
-        key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+        key = key_of(body)
         with self._lock:
-            return key in self._gone and self._gone[key] == str(meta.get("uid") or "")
+            return key in self._gone and self._gone[key] == _uid(body)
 
     def get(self, key: Key) -> dict[str, Any] | None:
         with self._lock:
