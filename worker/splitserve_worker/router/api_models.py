@@ -118,6 +118,11 @@ class _Sampling(BaseModel):
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(min_length=1)]
 
 
+def _is_batch(prompt: Any) -> bool:
+    """A list of prompts (texts or token-id lists), not one prompt."""
+    return isinstance(prompt, list) and isinstance(prompt[0], str | list)
+
+
 class CompletionRequest(_Sampling):
     prompt: str | TokenIds | list[str] | list[TokenIds]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -133,7 +138,7 @@ class CompletionRequest(_Sampling):
     def _prompts(cls, v: Any) -> Any:
         if not v:
             raise ValueError("prompt must not be empty")
-        if isinstance(v, list) and isinstance(v[0], str | list):
+        if _is_batch(v):
             if len(v) > MAX_COMPLETIONS:
                 raise ValueError(f"at most {MAX_COMPLETIONS} prompts per request, got {len(v)}")
             empty = next((i for i, p in enumerate(v) if not p), None)
@@ -144,9 +149,7 @@ class CompletionRequest(_Sampling):
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one, or a batch (each answered by its own choices)."""
         p = self.prompt
-        if isinstance(p, str) or not isinstance(p[0], str | list):
-            return [p]  # type: ignore[list-item]
-        return list(p)  # type: ignore[arg-type]
+        return list(p) if _is_batch(p) else [p]  # type: ignore[arg-type,list-item]
 
     def top_count(self) -> int:
         """How many of the most likely tokens to return per position."""
