@@ -158,14 +158,13 @@ def test_the_charts_rbac_covers_every_call_the_operator_makes(
     kube_client.create(inference_service())
     wait_for(lambda: len(kube.objects("apps/v1/deployments", "default")) == 3)
     kube_client.patch(INFERENCE_SERVICE, "default", "demo", {"spec": {"decode": {"replicas": 2}}})
-    wait_for(
-        lambda: (
-            kube_client.get(INFERENCE_SERVICE, "default", "demo")["status"]["pools"]["decode"][
-                "replicas"
-            ]
-            == 2
-        )
-    )
+
+    def decode_replicas() -> object:
+        # the Deployments exist before the first status is written: none yet is not 2
+        status = (kube_client.get(INFERENCE_SERVICE, "default", "demo") or {}).get("status") or {}
+        return ((status.get("pools") or {}).get("decode") or {}).get("replicas")
+
+    wait_for(lambda: decode_replicas() == 2, message="decode at 2 replicas in the status")
     from splitserve_operator.k8s import DEPLOYMENT
 
     kube_client.delete(DEPLOYMENT, "default", "demo-router")
