@@ -6,9 +6,10 @@
    size, in a block table the engine's own allocator hands out after churn (sequences
    of random lengths allocated and freed until the free list is mixed): ``--blocks
    reversed`` or ``ascending`` fix the order instead. The ``grpc`` side runs the real transport:
-   ``GrpcSender.send_layer`` per layer (1 MiB messages), the worker's PushKV handler and
-   ``GrpcReceiver.write`` into the reserved blocks of the pool. TCP: ``sendall`` of 1 MiB
-   slices, ``recv_into`` a preallocated buffer, one byte back when all arrived.
+   ``GrpcSender.send_layer`` per layer (4 MiB messages) to the decode side's push port
+   (the worker's ``PushServer``), which receives each payload into the reserved blocks of
+   the pool. TCP: ``sendall`` of 1 MiB slices, ``recv_into`` a preallocated buffer, one
+   byte back when all arrived.
 2. ``nixl`` backend vs a shared-memory copy: the same 256 MiB written by
    ``NixlSender`` into the receiver process's registered pool (UCX picks CMA or TCP on
    one host), against one ``copy_`` of the bytes into a POSIX shared-memory segment.
@@ -136,6 +137,7 @@ async def _kv_receiver_async(backend: str, q_out: Any, q_in: Any) -> None:
     from splitserve_worker.metrics.registry import Metrics
     from splitserve_worker.server.auth import TokenAuthInterceptor
     from splitserve_worker.server.handoff import DecodeHandoff
+    from splitserve_worker.server.push_sink import start_push_server
     from splitserve_worker.server.service import WorkerService, add_to_server
     from splitserve_worker.server.wire import SERVER_OPTIONS
 
@@ -152,6 +154,7 @@ async def _kv_receiver_async(backend: str, q_out: Any, q_in: Any) -> None:
     add_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    push = start_push_server(handoff, "127.0.0.1", 0, TOKEN) if backend == "grpc" else None
     q_out.put((f"127.0.0.1:{port}", receiver.backend_metadata()))
     loop = asyncio.get_running_loop()
     while True:
@@ -170,6 +173,8 @@ async def _kv_receiver_async(backend: str, q_out: Any, q_in: Any) -> None:
         lease = leases.add(rid, blocks, num_tokens=TOKENS, num_layers=LAYERS, ttl=600,
                            backend=backend)  # fmt: skip
         q_out.put(lease.lease_id)
+    if push is not None:
+        push.close()
     receiver.close()
     await server.stop(0)
 

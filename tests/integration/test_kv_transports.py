@@ -1,4 +1,8 @@
-"""Both KV backends on a bare pool (no engine): spans, scattered blocks, checksums, expiry."""
+"""Both KV backends on a bare pool (no engine): spans, scattered blocks, checksums, expiry.
+
+``grpc`` pushes go to the decode side's push port (``via="push-port"``: payloads received
+in place) or, when a handle names none, to its gRPC server (``via="grpc-server"``: the
+push client talking to grpcio's server)."""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from splitserve_worker.kv.transport import (
 from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.server.auth import TokenAuthInterceptor
 from splitserve_worker.server.handoff import DecodeHandoff
+from splitserve_worker.server.push_sink import start_push_server
 from splitserve_worker.server.service import WorkerService, add_to_server
 from splitserve_worker.server.wire import SERVER_OPTIONS
 
@@ -40,15 +45,29 @@ L, NB, BS, H, D = 3, 40, 16, 2, 8
 COMPAT = Compat("bare", "float32", BS, L, H, D, "LKBTHD-v1")
 NIXL_MARKS = [pytest.mark.nixl, pytest.mark.skipif(NIXL_SKIP is not None, reason=NIXL_SKIP or "")]
 BACKENDS = ["grpc", pytest.param("nixl", marks=NIXL_MARKS)]
+VIAS = ["push-port", "grpc-server"]
+
+
+class NoEngine:
+    """The engine's part in a drop: nothing to free on a bare pool."""
+
+    async def release(self, request_id: str) -> int:
+        return 0
+
+
+HANDOFFS: dict[str, DecodeHandoff] = {}
+"""The handoff behind each receiver address (for the tests that drop a lease)."""
 
 
 @asynccontextmanager
-async def receiver(backend: str) -> AsyncIterator[tuple[str, Any, LeaseTable, torch.Tensor]]:
+async def receiver(
+    backend: str, via: str = "push-port"
+) -> AsyncIterator[tuple[str, Any, LeaseTable, torch.Tensor]]:
     pool = torch.zeros(L, 2, NB, BS, H, D)
     leases = LeaseTable()
     ctx = BackendContext(compat=COMPAT, token=TOKEN, pool=PoolView(pool), leases=leases)
     recv = create_receiver_backend(backend, ctx)
-    handoff = DecodeHandoff(None, COMPAT, PoolView(pool), leases, {backend: recv},
+    handoff = DecodeHandoff(NoEngine(), COMPAT, PoolView(pool), leases, {backend: recv},
                             default_backend=backend, lease_seconds=30, address="",
                             metrics=Metrics())  # fmt: skip
     server = grpc.aio.server(interceptors=[TokenAuthInterceptor(TOKEN)], options=SERVER_OPTIONS)
@@ -57,9 +76,16 @@ async def receiver(backend: str) -> AsyncIterator[tuple[str, Any, LeaseTable, to
                   server)  # fmt: skip
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    push = None
+    if backend == "grpc" and via == "push-port":
+        push = start_push_server(handoff, "127.0.0.1", 0, TOKEN)
+    HANDOFFS[f"127.0.0.1:{port}"] = handoff
     try:
         yield f"127.0.0.1:{port}", recv, leases, pool
     finally:
+        HANDOFFS.pop(f"127.0.0.1:{port}")
+        if push is not None:
+            push.close()
         await server.stop(0)
         recv.close()
 
@@ -70,17 +96,20 @@ def fresh_kv(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(L)]  # fmt: skip
 
 
-@pytest.mark.parametrize(("backend", "streams"), [
-    ("grpc", 1), ("grpc", 3), pytest.param("nixl", 1, marks=NIXL_MARKS)])  # fmt: skip
+@pytest.mark.parametrize(("backend", "streams", "via"), [
+    ("grpc", 1, "push-port"), ("grpc", 3, "push-port"), ("grpc", 1, "grpc-server"),
+    ("grpc", 3, "grpc-server"), pytest.param("nixl", 1, "", marks=NIXL_MARKS)])  # fmt: skip
 def test_spans_land_in_scattered_blocks_with_checksums(
-    backend: str, streams: int, monkeypatch: pytest.MonkeyPatch
+    backend: str, streams: int, via: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # grpc deals the spans to ``streams`` connections: a layer's spans arrive out of order
     # tiny wire messages, so one span crosses several messages and several blocks
     monkeypatch.setattr(grpc_backend, "token_chunks", lambda n, b: token_chunks(n, b, 700))
 
     async def scenario() -> None:
-        async with receiver(backend) as (address, recv, leases, pool):
+        async with receiver(backend, via) as (address, recv, leases, pool):
+            if backend == "grpc":
+                assert (recv.backend_metadata() != b"") == (via == "push-port")
             n, blocks = 100, [33, 2, 17, 5, 39, 0, 21]
             lease = leases.add("r", blocks, num_tokens=n, num_layers=L, ttl=30, backend=backend)
             target = TransferTarget("r", lease.lease_id, address, tuple(blocks), n, COMPAT.hash,
@@ -110,28 +139,30 @@ def test_spans_land_in_scattered_blocks_with_checksums(
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("via", VIAS)
 def test_a_push_writes_nothing_once_its_reservation_is_dropped(
-    monkeypatch: pytest.MonkeyPatch,
+    via: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Released mid-push (or dropped by a failing sibling stream): the blocks may be
     # someone else's from then on, so the spans still arriving must not land in them.
     monkeypatch.setattr(grpc_backend, "token_chunks", lambda n, b: token_chunks(n, b, 700))
 
     async def scenario() -> None:
-        async with receiver("grpc") as (address, _, leases, pool):
+        async with receiver("grpc", via) as (address, recv, leases, pool):
             n, blocks = 100, [3, 4, 5, 6, 7, 8, 9]
             lease = leases.add("r", blocks, num_tokens=n, num_layers=L, ttl=30, backend="grpc")
             target = TransferTarget("r", lease.lease_id, address, tuple(blocks), n, COMPAT.hash,
-                                    b"", time.time() + 30)  # fmt: skip
+                                    recv.backend_metadata(), time.time() + 30)  # fmt: skip
             sender_backend = create_sender_backend("grpc", BackendContext(COMPAT, TOKEN, streams=2))
             sender = sender_backend.open(target)
             kv = fresh_kv(n, 3)
             await asyncio.to_thread(sender.send_layer, 0, kv[0][0], kv[0][1], 0)
             while lease.bytes_received == 0:
                 await asyncio.sleep(0.005)
-            # what a Release does to the table (no engine here to free blocks in), on the
-            # server's own loop: no span is written in between
-            assert leases.pop("r") is lease
+            # a Release: once the drop returns, the blocks are the engine's to reuse, and no
+            # span may land in them (on the server's loop, or off it on the push port)
+            await HANDOFFS[address].drop("r", "released")
+            assert not leases.contains("r")
             pool.zero_()
             for layer in range(1, L):
                 k, v = kv[layer]
@@ -145,10 +176,12 @@ def test_a_push_writes_nothing_once_its_reservation_is_dropped(
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_stale_lease_is_refused(backend: str) -> None:
+@pytest.mark.parametrize(("backend", "via"), [
+    ("grpc", "push-port"), ("grpc", "grpc-server"),
+    pytest.param("nixl", "", marks=NIXL_MARKS)])  # fmt: skip
+def test_a_stale_lease_is_refused(backend: str, via: str) -> None:
     async def scenario() -> None:
-        async with receiver(backend) as (address, recv, leases, pool):
+        async with receiver(backend, via) as (address, recv, leases, pool):
             blocks = [1, 2]
             lease = leases.add("r", blocks, num_tokens=20, num_layers=L, ttl=30, backend=backend)
             deadline = time.time() - 1 if backend == "nixl" else time.time() + 30

@@ -15,6 +15,7 @@ from splitserve_operator.render.commands import (
     ROUTER_HTTP_PORT,
     TOKEN_FILE,
     WORKER_GRPC_PORT,
+    WORKER_KV_PORT,
     WORKER_METRICS_PORT,
 )
 from splitserve_operator.render.security import restricted_violations
@@ -149,6 +150,8 @@ def test_command_lines() -> None:
         TOKEN_FILE,
         "--metrics-port",
         str(WORKER_METRICS_PORT),
+        "--kv-port",
+        str(WORKER_KV_PORT),
         "--drain-seconds",
         "50",
     ]
@@ -189,7 +192,7 @@ def test_worker_pods_carry_the_role_label_the_router_discovers_them_by() -> None
         labels = objs[f"Deployment/demo-{pool}"]["spec"]["template"]["metadata"]["labels"]
         assert labels["splitserve.io/role"] == pool
         ports = {p["name"]: p["containerPort"] for p in container(objs, pool)["ports"]}
-        assert ports["grpc"] == WORKER_GRPC_PORT
+        assert ports["grpc"] == WORKER_GRPC_PORT and ports["kv-push"] == WORKER_KV_PORT
     router = objs["Deployment/demo-router"]["spec"]["template"]["metadata"]["labels"]
     assert "splitserve.io/role" not in router
 
@@ -207,12 +210,9 @@ def test_the_worker_and_router_commands_accept_the_rendered_arguments() -> None:
         assert parsed.token_file == TOKEN_FILE and parsed.kv_backend == "nixl"
         assert parsed.host == "0.0.0.0"
     worker = parser.parse_args(container(objs, "decode")["args"])
-    assert (worker.role, worker.port, worker.lease_seconds, worker.metrics_port) == (
-        "decode",
-        WORKER_GRPC_PORT,
-        12,
-        WORKER_METRICS_PORT,
-    )
+    assert (worker.role, worker.port, worker.lease_seconds, worker.metrics_port,
+            worker.kv_port) == ("decode", WORKER_GRPC_PORT, 12, WORKER_METRICS_PORT,
+                                WORKER_KV_PORT)  # fmt: skip
     router = parser.parse_args(container(objs, "router")["args"])
     assert (router.discovery, router.namespace, router.port) == (
         "kubernetes",

@@ -14,7 +14,9 @@ EXECUTABLE = "splitserve"
 """The console script the worker image puts on PATH."""
 
 WORKER_GRPC_PORT = 50051
-"""Workers' gRPC port: Prefill/Reserve/Decode calls and KV pushes (``grpc`` backend)."""
+"""Workers' gRPC port: Reserve, Prefill, Commit, Generate and the rest of the contract."""
+WORKER_KV_PORT = 50052
+"""Decode workers' KV push port (``grpc`` backend): prefill workers stream KV layers there."""
 WORKER_METRICS_PORT = 9100
 """Workers' Prometheus ``/metrics`` port."""
 POD_GRACE_SECONDS = 60
@@ -69,6 +71,8 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
         TOKEN_FILE,
         "--metrics-port",
         str(WORKER_METRICS_PORT),
+        "--kv-port",
+        str(WORKER_KV_PORT),
         "--drain-seconds",
         str(WORKER_DRAIN_SECONDS),
         *(["--checksums"] if spec.kv_transfer.checksums else []),
@@ -162,6 +166,7 @@ def base_env() -> list[dict[str, Any]]:
 def worker_ports() -> list[dict[str, Any]]:
     return [
         {"name": "grpc", "containerPort": WORKER_GRPC_PORT, "protocol": "TCP"},
+        {"name": "kv-push", "containerPort": WORKER_KV_PORT, "protocol": "TCP"},
         {"name": "metrics", "containerPort": WORKER_METRICS_PORT, "protocol": "TCP"},
     ]
 

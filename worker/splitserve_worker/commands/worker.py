@@ -37,6 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on this port")
     p.add_argument(
+        "--kv-port",
+        type=int,
+        default=0,
+        help="port a decode worker receives grpc KV pushes on (0: any free port; Reserve "
+        "answers name it)",
+    )
+    p.add_argument(
         "--kv-backend",
         choices=KV_BACKENDS,
         default="grpc",
@@ -125,6 +132,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         host=args.host,
         advertise_address=args.advertise_address,
         metrics_port=args.metrics_port,
+        kv_port=args.kv_port,
         dtype=args.dtype,
         device=args.device,
         kv_backend=args.kv_backend,

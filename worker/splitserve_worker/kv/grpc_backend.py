@@ -1,17 +1,18 @@
 """The ``grpc`` KV backend: layers streamed over a client-streaming ``PushKV`` call.
 
 Prefill side: ``send_layer`` keeps the layer's K and V tensors (the engine hands over
-fresh ones; a view is copied) and queues spans of about 1 MiB on bounded queues; gRPC's
-own sending threads drain them, building each wire message in one pass (:mod:`.kvwire`),
-so the push overlaps the next layer's compute, and a slow receiver holds the engine back
-instead of buffering without bound. A push runs as ``streams`` concurrent PushKV calls,
-each on its own connection, the spans dealt to them in turn: one gRPC stream moves about
-half of what a plain socket does, and on a host with cores to spare two move more
-(:func:`default_streams`).
+fresh ones; a view is copied) and queues spans of about 4 MiB on bounded queues; a thread
+per stream writes each span to the socket as one gRPC message whose payload frames point
+at the tensors (:mod:`.push_client`: no copy in this process), so the push overlaps the
+next layer's compute, and a slow receiver holds the engine back instead of buffering
+without bound. A push runs as ``streams`` concurrent calls, each on its own connection,
+the spans dealt to them in turn (:func:`default_streams`).
 
-Decode side: each message is parsed without copying its payload (:func:`kvwire.decode`),
-viewed in place with ``torch.frombuffer`` and copied once, by slot index, into the
-reserved blocks of the pool (:meth:`GrpcReceiver.write`).
+Decode side: the push port (:mod:`.push_server`, named in the Reserve answer) reads each
+message's fields, then receives its payload straight into the reserved blocks of the pool
+(:meth:`GrpcReceiver.views`); the worker's own gRPC server serves the same call for any
+other client, parsing each message without copying its payload (:func:`kvwire.decode`)
+and copying it once into the blocks (:meth:`GrpcReceiver.write`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ import os
 import queue
 import threading
 import time
-import warnings
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -31,8 +30,9 @@ from splitserve.v1 import worker_pb2
 
 from splitserve_worker.kv import kvwire
 from splitserve_worker.kv.faults import FaultInjector, InjectedFault
-from splitserve_worker.kv.layout import PoolView, as_bytes, owned, token_chunks
-from splitserve_worker.kv.lease import Lease, LeaseTable
+from splitserve_worker.kv.grpc_receiver import GrpcReceiver, push_port
+from splitserve_worker.kv.layout import as_bytes, owned, token_chunks
+from splitserve_worker.kv.push_client import Call, CallError, Connection
 from splitserve_worker.kv.transport import (
     MAX_STREAMS,
     BackendContext,
@@ -40,10 +40,10 @@ from splitserve_worker.kv.transport import (
     TransferError,
     TransferTarget,
 )
-from splitserve_worker.server.wire import CHANNEL_OPTIONS, auth_metadata
+from splitserve_worker.server.wire import auth_metadata
 
 QUEUE_DEPTH = 16
-"""Messages (~1 MiB each) buffered between the engine thread and the wire, all streams
+"""Messages (~4 MiB each) queued between the engine thread and the wire, all streams
 together."""
 
 
@@ -75,54 +75,58 @@ class _Out:
     parts: tuple[memoryview | bytes, ...]
 
 
-def _serialize(out: _Out) -> bytes:
-    # runs on gRPC's sending thread: the one copy that builds the wire message
-    return kvwire.encode(out.span, out.parts)
+def push_address(decode_address: str, metadata: bytes) -> tuple[str, int]:
+    """Where a push goes: the decode worker's push port when its handle names one, else
+    its gRPC port (any gRPC server serving PushKV takes the same calls)."""
+    host, _, port = decode_address.rpartition(":")
+    host = host.strip("[]")
+    port_of_push = push_port(metadata)
+    if port_of_push is not None:
+        return host, port_of_push
+    return host, int(port)
 
 
-class _Channels:
-    """``streams`` channels (connections) per decode address, shared by every push to it."""
+class _Connections:
+    """``streams`` connections per decode push address, shared by every push to it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._channels: dict[tuple[str, int], grpc.Channel] = {}
+        self._conns: dict[tuple[str, int, int], Connection] = {}
 
-    def push_methods(self, address: str, streams: int) -> list[grpc.StreamUnaryMultiCallable]:
-        return [self._push_method(address, i) for i in range(streams)]
-
-    def _push_method(self, address: str, i: int) -> grpc.StreamUnaryMultiCallable:
+    def get(self, host: str, port: int, i: int) -> Connection:
+        key = (host, port, i)
         with self._lock:
-            ch = self._channels.get((address, i))
-            if ch is None:
-                # a distinct option keeps gRPC from sharing one connection between them
-                options = [*CHANNEL_OPTIONS, ("splitserve.kv_stream", i)]
-                ch = grpc.insecure_channel(address, options=options)
-                self._channels[(address, i)] = ch
-        return ch.stream_unary(
-            PUSH_METHOD,
-            request_serializer=_serialize,
-            response_deserializer=worker_pb2.PushKVAck.FromString,
-        )
+            conn = self._conns.get(key)
+            if conn is not None and conn.usable:
+                return conn
+        fresh = Connection(host, port)  # outside the lock: a dead host stalls no other push
+        with self._lock:
+            conn = self._conns.get(key)
+            if conn is not None and conn.usable:
+                fresh.close()
+                return conn
+            self._conns[key] = fresh
+        if conn is not None:
+            conn.close()
+        return fresh
 
     def close(self) -> None:
         with self._lock:
-            for ch in self._channels.values():
-                ch.close()
-            self._channels.clear()
+            conns = list(self._conns.values())
+            self._conns.clear()
+        for conn in conns:
+            conn.close()
 
 
 class GrpcSender:
     def __init__(
-        self,
-        target: TransferTarget,
-        ctx: BackendContext,
-        pushes: list[grpc.StreamUnaryMultiCallable],
+        self, target: TransferTarget, ctx: BackendContext, conns: _Connections, streams: int
     ) -> None:
         self._t = target
         self._ctx = ctx
         self._faults = FaultInjector(ctx.faults)
-        depth = max(2, QUEUE_DEPTH // len(pushes))
-        self._queues: list[queue.Queue[_Out | None]] = [queue.Queue(depth) for _ in pushes]
+        depth = max(2, QUEUE_DEPTH // streams)
+        self._queues: list[queue.Queue[_Out | None]] = [queue.Queue(depth) for _ in range(streams)]
         self._turn = 0
         self._closed = threading.Event()
         self._error: str | None = None
@@ -130,25 +134,43 @@ class GrpcSender:
         self.stats = SendStats()
         n = ctx.compat.num_layers
         self._crc = [0] * (2 * n) if ctx.checksums else []
-        timeout = (
+        self._timeout = (
             max(5.0, target.deadline_unix - time.time() + 5.0) if target.deadline_unix else 600
         )
-        self._futures = [
-            push.future(self._messages(q), metadata=auth_metadata(ctx.token), timeout=timeout)
-            for push, q in zip(pushes, self._queues, strict=True)
-        ]
+        self._calls: list[Call] = []
+        self._pumps: list[threading.Thread] = []
+        try:
+            host, port = push_address(target.decode_address, target.backend_metadata)
+            for i in range(streams):
+                conn = conns.get(host, port, i)
+                self._calls.append(conn.call(PUSH_METHOD, auth_metadata(ctx.token), self._timeout))
+        except (CallError, ValueError) as e:
+            self._fail(f"cannot open the KV stream to {target.decode_address}: {e}", "stream")
+            return
+        for q, call in zip(self._queues, self._calls, strict=True):
+            pump = threading.Thread(target=self._pump, args=(q, call), daemon=True,
+                                    name=f"kv-send-{target.request_id}")  # fmt: skip
+            pump.start()
+            self._pumps.append(pump)
 
-    def _messages(self, q: queue.Queue[_Out | None]) -> Iterator[_Out]:
-        while True:
-            try:
-                item = q.get(timeout=0.05)
-            except queue.Empty:
-                if self._closed.is_set():
+    def _pump(self, q: queue.Queue[_Out | None], call: Call) -> None:
+        """Writes this stream's messages to the wire until the end marker (or a failure,
+        which ``_put`` and ``finish`` see on the call)."""
+        try:
+            while True:
+                try:
+                    item = q.get(timeout=0.05)
+                except queue.Empty:
+                    if self._closed.is_set():
+                        return
+                    continue
+                if item is None:
+                    call.close_send()
                     return
-                continue
-            if item is None:
-                return
-            yield item
+                size = sum(len(p) for p in item.parts)
+                call.send([kvwire.encode_head(item.span, size), *item.parts], self._timeout)
+        except CallError:
+            return
 
     def _fail(self, message: str, reason: str) -> None:
         if self._error is None:
@@ -204,8 +226,8 @@ class GrpcSender:
         self._turn = (i + 1) % len(self._queues)
         deadline = time.monotonic() + PUT_TIMEOUT_S
         while time.monotonic() < deadline:
-            if self._futures[i].done():
-                why = self._describe(self._futures[i])
+            if self._calls[i].done():
+                why = self._calls[i].error or "it answered before the end"
                 self._fail(f"the decode worker ended the KV stream: {why}", "stream")
                 return False
             try:
@@ -216,21 +238,9 @@ class GrpcSender:
         self._fail(f"no room on the KV stream for {PUT_TIMEOUT_S:.0f} s", "timeout")
         return False
 
-    @staticmethod
-    def _describe(future: grpc.Future) -> str:
-        try:
-            exc = future.exception() if future.done() else None
-        except grpc.FutureCancelledError:
-            return "cancelled"
-        except grpc.FutureTimeoutError:
-            return "still running"
-        if isinstance(exc, grpc.RpcError):
-            return f"{exc.code().name}: {exc.details()}"
-        return repr(exc) if exc else "ended early"
-
     def _end_streams(self, deadline: float) -> None:
-        for q, future in zip(self._queues, self._futures, strict=True):
-            while time.monotonic() < deadline and not future.done():
+        for q, call in zip(self._queues, self._calls, strict=True):
+            while time.monotonic() < deadline and not call.done():
                 try:
                     q.put(None, timeout=0.05)
                     break
@@ -242,18 +252,18 @@ class GrpcSender:
             deadline = time.monotonic() + timeout
             self._end_streams(deadline)
             layers = 0
-            for future in self._futures:
+            for call in self._calls:
                 try:
-                    ack = future.result(timeout=max(0.0, deadline - time.monotonic()))
-                except grpc.FutureTimeoutError:
-                    msg = f"the decode worker did not acknowledge within {timeout} s"
-                    self._fail(msg, "timeout")
-                    break
-                except grpc.RpcError as err:
-                    self._fail(f"KV push failed: {err.code().name}: {err.details()}", "stream")
+                    raw = call.result(timeout=max(0.0, deadline - time.monotonic()))
+                except CallError as err:
+                    if err.code is grpc.StatusCode.DEADLINE_EXCEEDED and not call.done():
+                        msg = f"the decode worker did not acknowledge within {timeout} s"
+                        self._fail(msg, "timeout")
+                    else:
+                        self._fail(f"KV push failed: {err}", "stream")
                     break
                 # each stream reports the layers complete when it ended; the last one all
-                layers = max(layers, ack.layers_received)
+                layers = max(layers, worker_pb2.PushKVAck.FromString(raw).layers_received)
             else:
                 self.stats.done = time.monotonic()
                 if layers < self._ctx.compat.num_layers:
@@ -274,8 +284,8 @@ class GrpcSender:
         self._closed.set()
         if self._error is None:
             self._error, self._reason = f"aborted: {reason}", "aborted"
-        for future in self._futures:
-            future.cancel()
+        for call in self._calls:
+            call.cancel()
 
 
 class GrpcSenderBackend:
@@ -283,81 +293,16 @@ class GrpcSenderBackend:
 
     def __init__(self, ctx: BackendContext) -> None:
         self._ctx = ctx
-        self._channels = _Channels()
+        self._conns = _Connections()
         self.streams = ctx.streams or default_streams()
         if not 1 <= self.streams <= MAX_STREAMS:
             raise ValueError(f"KV streams must be 1 to {MAX_STREAMS}, got {self.streams}")
 
     def open(self, target: TransferTarget) -> GrpcSender:
-        pushes = self._channels.push_methods(target.decode_address, self.streams)
-        return GrpcSender(target, self._ctx, pushes)
+        return GrpcSender(target, self._ctx, self._conns, self.streams)
 
     def close(self) -> None:
-        self._channels.close()
-
-
-class GrpcReceiver:
-    """Writes pushed spans into the reserved blocks; layers are complete once all tokens came."""
-
-    name = "grpc"
-
-    def __init__(self, ctx: BackendContext) -> None:
-        assert ctx.pool is not None and ctx.leases is not None
-        self._ctx = ctx
-        self._pool: PoolView = ctx.pool
-        self._leases: LeaseTable = ctx.leases
-        self._cond = threading.Condition()
-
-    def backend_metadata(self) -> bytes:
-        return b""
-
-    def write(self, lease: Lease, msg: kvwire.KVSpan) -> None:
-        """Check and place one span. Raises TransferError (reason ``checksum``/``shape``)."""
-        if msg.crc32 is not None and zlib.crc32(msg.data) != msg.crc32:
-            raise TransferError(
-                f"KV layer {msg.layer} tokens {msg.start_token}+{msg.num_tokens} of request "
-                f"{msg.request_id!r} failed its checksum",
-                "checksum",
-            )
-        n = msg.num_tokens
-        if not (0 <= msg.layer < lease.num_layers and msg.start_token >= 0
-                and msg.start_token + max(n, 0) <= lease.num_tokens):  # fmt: skip
-            # checked before any byte is written: out-of-range indices would wrap around
-            raise TransferError(
-                f"KV layer {msg.layer} tokens {msg.start_token}+{n} of request "
-                f"{msg.request_id!r} fall outside its reservation ({lease.num_layers} layers, "
-                f"{lease.num_tokens} tokens)",
-                "shape",
-            )
-        expected = 2 * n * self._pool.token_bytes
-        if len(msg.data) != expected:
-            raise TransferError(
-                f"KV layer {msg.layer}: {len(msg.data)} bytes for {n} tokens, expected "
-                f"{expected} ([2, {n}, {self._pool.kv_heads}, {self._pool.head_dim}] "
-                f"{self._pool.dtype})",
-                "shape",
-            )
-        if n:
-            with warnings.catch_warnings():
-                # received bytes are immutable; the view over them is only ever read
-                warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                flat = torch.frombuffer(msg.data, dtype=self._pool.dtype)
-            kv = flat.view(2, n, self._pool.kv_heads, self._pool.head_dim)
-            self._pool.write(msg.layer, lease.block_ids, msg.start_token, kv[0], kv[1])
-        self._leases.add_span(lease, msg.layer, msg.start_token, n, len(msg.data), renew=True)
-        if lease.complete:
-            with self._cond:
-                self._cond.notify_all()
-
-    def wait_layers(self, lease: Lease, timeout: float) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: lease.complete, timeout=timeout)
-
-    def forget(self, lease: Lease) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
+        self._conns.close()
 
 
 def make_sender_backend(ctx: BackendContext) -> GrpcSenderBackend:

@@ -54,10 +54,10 @@ def _key(num: int, wire: int) -> bytes:
     return _varint((num << 3) | wire)
 
 
-def encode(span: KVSpan, parts: Sequence[memoryview | bytes] = ()) -> bytes:
-    """The KVLayer bytes of ``span`` with ``data`` = the concatenation of ``parts``
-    (``span.data`` when no parts are given)."""
-    payload = list(parts) if parts else [span.data]
+def encode_head(span: KVSpan, data_size: int) -> bytes:
+    """Every field of ``span`` but the payload, then the payload's key and length: what
+    precedes ``data_size`` payload bytes on the wire (the payload is the last field, so a
+    receiver knows where the bytes go before they arrive)."""
     head = bytearray()
     for num, text in ((_REQUEST_ID, span.request_id), (_LEASE_ID, span.lease_id),
                         (_COMPAT, span.compat_hash)):  # fmt: skip
@@ -70,17 +70,29 @@ def encode(span: KVSpan, parts: Sequence[memoryview | bytes] = ()) -> bytes:
             head += _key(num, _VARINT) + _varint(n)
     if span.crc32 is not None:
         head += _key(_CRC32, _VARINT) + _varint(span.crc32)
-    size = sum(len(p) for p in payload)
-    if size:
-        head += _key(_DATA, _LEN) + _varint(size)
-    return b"".join([bytes(head), *payload])
+    if data_size:
+        head += _key(_DATA, _LEN) + _varint(data_size)
+    return bytes(head)
+
+
+def encode(span: KVSpan, parts: Sequence[memoryview | bytes] = ()) -> bytes:
+    """The KVLayer bytes of ``span`` with ``data`` = the concatenation of ``parts``
+    (``span.data`` when no parts are given)."""
+    payload = list(parts) if parts else [span.data]
+    return b"".join([encode_head(span, sum(len(p) for p in payload)), *payload])
+
+
+class _Short(WireError):
+    """The bytes end inside a varint."""
 
 
 def _read_varint(buf: memoryview, i: int) -> tuple[int, int]:
     shift = n = 0
     while True:
-        if i >= len(buf) or shift > 63:
-            raise WireError("truncated or overlong varint")
+        if i >= len(buf):
+            raise _Short("truncated varint")
+        if shift > 63:
+            raise WireError("overlong varint")
         b = buf[i]
         i += 1
         n |= (b & 0x7F) << shift
@@ -94,16 +106,15 @@ def _signed32(n: int) -> int:
     return n - (1 << 64) if n >= 1 << 63 else n
 
 
-def decode(raw: bytes) -> KVSpan:
-    """Parse KVLayer bytes; unknown fields are skipped, as protobuf does."""
-    buf = memoryview(raw)
-    span = KVSpan()
-    i = 0
-    while i < len(buf):
-        key, i = _read_varint(buf, i)
+def _field(span: KVSpan, buf: memoryview, i: int) -> tuple[int, int, int] | None:
+    """Parse the field at ``i`` into ``span``: (next index, field number, payload size for
+    a length-delimited field); None if ``buf`` ends inside the field's key or size, or
+    inside a length-delimited field other than the payload."""
+    try:
+        key, j = _read_varint(buf, i)
         field, wire = key >> 3, key & 7
         if wire == _VARINT:
-            n, i = _read_varint(buf, i)
+            n, j = _read_varint(buf, j)
             if field == _LAYER:
                 span.layer = _signed32(n)
             elif field == _START:
@@ -112,26 +123,64 @@ def decode(raw: bytes) -> KVSpan:
                 span.num_tokens = _signed32(n)
             elif field == _CRC32:
                 span.crc32 = n & 0xFFFFFFFF
-        elif wire == _LEN:
-            size, i = _read_varint(buf, i)
-            if i + size > len(buf):
-                raise WireError(f"field {field} runs past the end of the message")
-            value = buf[i : i + size]
-            i += size
-            if field == _DATA:
-                span.data = value
-            elif field == _REQUEST_ID:
-                span.request_id = bytes(value).decode()
-            elif field == _LEASE_ID:
-                span.lease_id = bytes(value).decode()
-            elif field == _COMPAT:
-                span.compat_hash = bytes(value).decode()
-        elif wire == _I64:
-            i += 8
-        elif wire == _I32:
-            i += 4
+            return j, field, 0
+        if wire == _LEN:
+            size, j = _read_varint(buf, j)
+        elif wire in (_I64, _I32):
+            size = 8 if wire == _I64 else 4
+            return (j + size, field, 0) if j + size <= len(buf) else None
         else:
             raise WireError(f"unsupported wire type {wire} for field {field}")
+    except _Short:
+        return None
+    if field == _DATA:
+        return j, field, size
+    if j + size > len(buf):
+        return None
+    text = bytes(buf[j : j + size]).decode()
+    if field == _REQUEST_ID:
+        span.request_id = text
+    elif field == _LEASE_ID:
+        span.lease_id = text
+    elif field == _COMPAT:
+        span.compat_hash = text
+    return j + size, field, 0
+
+
+def decode_head(raw: bytes | bytearray | memoryview) -> tuple[KVSpan, int, int] | None:
+    """The fields before the payload, once ``raw`` (a message's first bytes) reaches the
+    payload's key and length: ``(span without data, payload offset, payload size)``. None
+    while more bytes are needed. A message without a payload field, or one whose first
+    bytes hold no payload field, reads as None until all of it has been given: parse that
+    whole with :func:`decode`."""
+    buf = memoryview(raw)
+    span = KVSpan()
+    i = 0
+    while i < len(buf):
+        got = _field(span, buf, i)
+        if got is None:
+            return None
+        i, field, size = got
+        if field == _DATA:
+            return span, i, size
+    return None
+
+
+def decode(raw: bytes | bytearray | memoryview) -> KVSpan:
+    """Parse KVLayer bytes; unknown fields are skipped, as protobuf does."""
+    buf = memoryview(raw)
+    span = KVSpan()
+    i = 0
+    while i < len(buf):
+        got = _field(span, buf, i)
+        if got is None:
+            raise WireError("truncated message")
+        i, field, size = got
+        if field == _DATA:
+            if i + size > len(buf):
+                raise WireError(f"field {field} runs past the end of the message")
+            span.data = buf[i : i + size]
+            i += size
     if i != len(buf):
         raise WireError("truncated message")
     return span

@@ -12,8 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-CHUNK_BYTES = 1 << 20
-"""Target payload of one wire message: ~1 MiB keeps gRPC near its streaming peak."""
+CHUNK_BYTES = 4 << 20
+"""Target payload of one KV message. The push port receives each in place, so per-message
+costs are all that size changes: 4 MiB spends a quarter less sending CPU than 1 MiB
+(``bench/kv_transfer.py``), and stays far under gRPC's message limit (64 MiB) where a
+push goes to a worker's gRPC port instead."""
 
 MAX_RUN_COPIES = 64
 """A CPU pool write split into at most this many stretches of consecutive slots is done
@@ -91,6 +94,7 @@ class PoolView:
         self.dtype = pool.dtype
         self.token_elems = self.kv_heads * self.head_dim
         self.token_bytes = self.token_elems * pool.element_size()
+        self._bytes: memoryview | None = None
 
     def slots(self, block_ids: list[int], start: int, count: int) -> torch.Tensor:
         """Flat slot index (block * block_size + offset) of each token in the range."""
@@ -119,6 +123,26 @@ class PoolView:
         slots = self.slots(block_ids, start, n).to(self.pool.device)
         flat[0].index_copy_(0, slots, k)
         flat[1].index_copy_(0, slots, v)
+
+    def byte_views(
+        self, layer: int, block_ids: list[int], start: int, count: int
+    ) -> list[memoryview] | None:
+        """Writable byte views of the tokens' K, then their V, in the pool: the order of a
+        KV message's payload, for a transport that receives straight into the blocks.
+        None for a pool that is not one contiguous tensor in host memory."""
+        if self.pool.device.type != "cpu" or not self.pool.is_contiguous():
+            return None
+        if self._bytes is None:
+            self._bytes = memoryview(self.pool.view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
+        runs = slot_runs(block_ids, start, count, self.block_size)
+        plane, tb = self.num_blocks * self.block_size, self.token_bytes
+        out = []
+        for kv in (0, 1):
+            base = (layer * 2 + kv) * plane
+            for slot, _, m in runs:
+                off = (base + slot) * tb
+                out.append(self._bytes[off : off + m * tb])
+        return out
 
     def read(
         self, layer: int, block_ids: list[int], start: int, count: int

@@ -25,6 +25,7 @@ from splitserve_worker.server.config import WorkerConfig
 from splitserve_worker.server.events import EventHub
 from splitserve_worker.server.handoff import DecodeHandoff
 from splitserve_worker.server.prefill import PrefillRunner
+from splitserve_worker.server.push_sink import start_push_server
 from splitserve_worker.server.service import WorkerService, add_to_server
 from splitserve_worker.server.wire import SERVER_OPTIONS
 
@@ -135,6 +136,9 @@ async def start_worker(config: WorkerConfig, *, loaded: Any = None) -> RunningWo
         holds=config.faults.holds,
     )
     add_to_server(service, server)
+    if handoff is not None:
+        push = start_push_server(handoff, config.host, config.kv_port, config.token)
+        closers.append(push.close)
     await server.start()
     tasks = [asyncio.create_task(events.poll_forever(), name="kv-events")]
     if handoff is not None:

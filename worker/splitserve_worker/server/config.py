@@ -50,6 +50,8 @@ class WorkerConfig:
     ``host:port``."""
     metrics_port: int | None = None
     """Prometheus ``/metrics`` port; ``None`` serves no metrics."""
+    kv_port: int = 0
+    """Port of the decode side's KV push server (``grpc`` backend); 0 picks a free one."""
     dtype: str = "auto"
     device: str | None = None
     kv_backend: str = "grpc"
@@ -85,6 +87,8 @@ class WorkerConfig:
             raise ConfigError(f"--kv-backend must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.kv_port < 65536:
+            raise ConfigError(f"--kv-port must be in [0, 65535], got {self.kv_port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         if not self.lease_seconds > 0:

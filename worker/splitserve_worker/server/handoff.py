@@ -22,7 +22,7 @@ from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.kv import compat as compat_mod
 from splitserve_worker.kv.compat import Compat, CompatError
 from splitserve_worker.kv.faults import Holds
-from splitserve_worker.kv.grpc_backend import GrpcReceiver
+from splitserve_worker.kv.grpc_receiver import GrpcReceiver
 from splitserve_worker.kv.kvwire import KVSpan
 from splitserve_worker.kv.layout import PoolView, as_bytes
 from splitserve_worker.kv.lease import Lease, LeaseError, LeaseTable, State
@@ -125,16 +125,45 @@ class DecodeHandoff:
             ev.set()  # wake a waiting Generate: it finds the lease gone
         if lease is not None:
             self.receivers[lease.backend].forget(lease)
+            if lease.backend == "grpc" and self.grpc_receiver().placing(lease):
+                # a message is being received into the blocks off the loop: they are
+                # freed once it has landed or its connection is cut
+                quiet = await asyncio.to_thread(self.grpc_receiver().quiesce, lease)
+                if not quiet:
+                    log.error("a KV write into %s's blocks did not stop", request_id)
             if reason not in ("released", "finished"):
                 self._failures.labels(lease.backend, reason).inc()
         freed: int = await self.engine.release(request_id)
         return freed
 
     # ---- the KV stream (backend grpc) ----
-    def _receiver(self) -> GrpcReceiver:
+    def grpc_receiver(self) -> GrpcReceiver:
         r = self.receivers["grpc"]
         assert isinstance(r, GrpcReceiver)
         return r
+
+    def check_next(self, lease: Lease, msg: KVSpan) -> None:
+        """Whether a message after a push's first may still be written (any thread)."""
+        if msg.lease_id != lease.lease_id or msg.request_id != lease.request_id:
+            raise RpcFailure(
+                grpc.StatusCode.INVALID_ARGUMENT, "one PushKV stream carries one request"
+            )
+        if time.monotonic() >= lease.expires_at:
+            raise RpcFailure(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the lease of request {lease.request_id!r} expired mid-push",
+            )
+        if not self.leases.holds(lease):
+            # released, or dropped by another stream of the same push: its blocks may
+            # already belong to someone else, so nothing more is written (each stream has
+            # one writer: nothing lands between this check and its write)
+            raise RpcFailure(
+                grpc.StatusCode.ABORTED,
+                f"the reservation of request {lease.request_id!r} was dropped mid-push",
+            )
+
+    def count_received(self, nbytes: int) -> None:
+        self._bytes.labels("grpc", "received").inc(nbytes)
 
     async def push(self, messages: AsyncIterator[KVSpan]) -> pb.PushKVAck:
         lease: Lease | None = None
@@ -142,46 +171,43 @@ class DecodeHandoff:
             async for msg in messages:
                 if lease is None:
                     lease = self._open_push(msg)
-                elif msg.lease_id != lease.lease_id or msg.request_id != lease.request_id:
-                    raise RpcFailure(
-                        grpc.StatusCode.INVALID_ARGUMENT, "one PushKV stream carries one request"
-                    )
-                elif time.monotonic() >= lease.expires_at:
-                    raise RpcFailure(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"the lease of request {lease.request_id!r} expired mid-push",
-                    )
-                elif not self.leases.holds(lease):
-                    # released, or dropped by another stream of the same push: its blocks
-                    # may already belong to someone else, so nothing more is written (this
-                    # loop is the only writer: nothing lands between the check and the write)
-                    raise RpcFailure(
-                        grpc.StatusCode.ABORTED,
-                        f"the reservation of request {lease.request_id!r} was dropped mid-push",
-                    )
-                self._receiver().write(lease, msg)
-                self._bytes.labels("grpc", "received").inc(len(msg.data))
+                else:
+                    self.check_next(lease, msg)
+                self.grpc_receiver().write(lease, msg)
+                self.count_received(len(msg.data))
                 if self.holds.directory:
                     await self.holds.wait_async("receive")
         except TransferError as e:
             assert lease is not None
-            await self._end_push(lease)
-            await self.drop(lease.request_id, e.reason)
+            await self.fail_push(lease, e)
             raise RpcFailure(grpc.StatusCode.DATA_LOSS, str(e)) from None
-        except BaseException:
+        except BaseException as e:
             # the sender died or the call was cancelled: free the blocks now, not at expiry
-            # (unless the reservation is already gone: the request id may be reserved anew)
             if lease is not None:
-                await self._end_push(lease)
-                if self.leases.holds(lease):
-                    await asyncio.shield(self.drop(lease.request_id, "stream"))
+                await asyncio.shield(self.fail_push(lease, e))
             raise
         if lease is None:
             return pb.PushKVAck()
+        return await self.end_push(lease)
+
+    async def fail_push(self, lease: Lease, error: BaseException | None) -> None:
+        """A push broke: a corrupt one frees its blocks; otherwise they are freed unless the
+        reservation is already gone (the request id may be reserved anew)."""
+        await self._end_push(lease)
+        if isinstance(error, TransferError):
+            await self.drop(lease.request_id, error.reason)
+        elif self.leases.holds(lease):
+            await self.drop(lease.request_id, "stream")
+
+    async def end_push(self, lease: Lease) -> pb.PushKVAck:
         await self._end_push(lease)
         return pb.PushKVAck(
             layers_received=lease.layers_complete, bytes_received=lease.bytes_received
         )
+
+    async def open_push(self, msg: KVSpan) -> Lease:
+        """:meth:`_open_push` for a push served off the event loop."""
+        return self._open_push(msg)
 
     def _open_push(self, msg: KVSpan) -> Lease:
         try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 MAX_MESSAGE_BYTES = 64 << 20
-"""Both directions: KV spans are ~1 MiB, but a single large layer must never be refused."""
+"""Both directions: KV spans are ~4 MiB, but a single large layer must never be refused."""
 
 HTTP2_BULK: list[tuple[str, int]] = [
     ("grpc.http2.max_frame_size", (1 << 24) - 1),
