@@ -314,3 +314,50 @@ def test_a_sender_that_vanishes_mid_message_frees_the_blocks() -> None:
             assert not d.handoff.grpc_receiver().placing(lease)
 
     asyncio.run(scenario())
+
+
+def test_garbage_ends_only_its_own_connection() -> None:
+    # random bytes (with and without the preface), a frame on an even stream id, a header
+    # block HPACK cannot read: each connection is dropped, the port keeps serving
+    rng = random.Random(7)
+    bad = [
+        bytes(rng.randrange(256) for _ in range(300)),
+        h2.PREFACE + bytes(rng.randrange(256) for _ in range(300)),
+        h2.PREFACE + h2.frame(h2.HEADERS, h2.END_HEADERS, 2, b"\x82"),
+        h2.PREFACE + h2.frame(h2.HEADERS, h2.END_HEADERS, 1, b"\xff\xff\xff\xff\xff"),
+    ]
+
+    async def scenario() -> None:
+        async with decode_side() as d:
+
+            def poke(blob: bytes) -> bytes:
+                with socket.create_connection(("127.0.0.1", d.port), timeout=10) as s:
+                    s.sendall(blob)
+                    s.shutdown(socket.SHUT_WR)  # a frame may claim more bytes than came
+                    got = b""
+                    while chunk := s.recv(65536):
+                        got += chunk
+                    return got
+
+            for i, blob in enumerate(bad):
+                reply = await asyncio.to_thread(poke, blob)  # returns: the server closed it
+                kinds, at = [], 0
+                while at + 9 <= len(reply):
+                    kinds.append((reply[at + 3], reply[at + 9 : at + 17]))
+                    at += 9 + int.from_bytes(reply[at : at + 3], "big")
+                goaways = [p for k, p in kinds if k == h2.GOAWAY]
+                if i >= 2:  # broken protocol: told so before the close
+                    assert goaways and goaways[0][4:8] == h2.PROTOCOL_ERROR.to_bytes(4, "big")
+            n = 8
+            lease = d.reserve("r", [2, 9], n)
+            kv = layer_kv(n, 0)
+            msgs = [span(lease, layer, 0, n, data=memoryview(payload(kv, 0, n)))
+                    for layer in range(L)]  # fmt: skip
+            with grpc.insecure_channel(f"127.0.0.1:{d.port}") as ch:
+                push = ch.stream_unary(PUSH_METHOD, kvwire.encode, pb.PushKVAck.FromString)
+                auth = (("authorization", f"Bearer {TOKEN}"),)
+                ack = await asyncio.to_thread(push, iter(msgs), timeout=20, metadata=auth)
+            assert ack.layers_received == L
+            assert torch.equal(d.read(lease, 1), kv)
+
+    asyncio.run(scenario())

@@ -99,6 +99,11 @@ class _Connections:
             conn = self._conns.get(key)
             if conn is not None and conn.usable:
                 return conn
+            # connections that broke (a decode worker gone) are let go here
+            gone = [k for k, c in self._conns.items() if c.broken is not None and k != key]
+            stale = [self._conns.pop(k) for k in gone]
+        for c in stale:
+            c.close()
         fresh = Connection(host, port)  # outside the lock: a dead host stalls no other push
         with self._lock:
             conn = self._conns.get(key)

@@ -108,17 +108,19 @@ class Connection:
         self._window = h2.DEFAULT_WINDOW
         self._peer_window = h2.DEFAULT_WINDOW
         self._peer_frame = h2.DEFAULT_FRAME_SIZE
-        self._last_allowed = h2.MAX_WINDOW
         self._received = 0
         self.broken: str | None = None
         settings = {h2.SETTINGS_ENABLE_PUSH: 0, h2.SETTINGS_INITIAL_WINDOW_SIZE: h2.MAX_WINDOW}
-        self._write(
-            [
-                h2.PREFACE,
-                h2.settings_frame(settings),
-                h2.window_update(0, h2.MAX_WINDOW - h2.DEFAULT_WINDOW),
-            ]
-        )
+        opening: list[memoryview | bytes] = [
+            h2.PREFACE,
+            h2.settings_frame(settings),
+            h2.window_update(0, h2.MAX_WINDOW - h2.DEFAULT_WINDOW),
+        ]
+        try:
+            self._write(opening)
+        except CallError:
+            self._sock.close()
+            raise
         self._thread = threading.Thread(
             target=self._read_loop, name=f"kv-push-{self.target}", daemon=True
         )
@@ -136,7 +138,8 @@ class Connection:
             ("user-agent", "splitserve-kv-push"),
         ]
         if timeout is not None:
-            headers.append(("grpc-timeout", f"{max(1, int(timeout * 1000))}m"))
+            # at most 8 digits
+            headers.append(("grpc-timeout", f"{min(max(1, int(timeout * 1000)), 10**8 - 1)}m"))
         headers += [(k.lower(), v) for k, v in metadata]
         with self._wlock:
             with self._cv:

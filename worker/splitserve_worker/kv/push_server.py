@@ -254,7 +254,11 @@ class PushServer:
                 sock, _ = self._listener.accept()
             except OSError:
                 return  # closed
-            h2.tune(sock)
+            try:
+                h2.tune(sock)
+            except OSError:  # already reset by the peer
+                sock.close()
+                continue
             with self._lock:
                 if self._closed:
                     sock.close()
