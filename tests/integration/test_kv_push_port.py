@@ -148,6 +148,22 @@ def message(s: kvwire.KVSpan, data: bytes, standard: bool = False) -> bytes:
     return h2.grpc_prefix(len(raw)) + raw
 
 
+async def half_sent(d: Decode) -> tuple[Lease, RawClient, bytes]:
+    """A message whose payload is half sent and being received into the blocks: its lease,
+    the client, and the bytes still to send."""
+    n = 16
+    lease = d.reserve("r", [4, 5, 6, 7], n)
+    data = payload(layer_kv(n, 0), 0, n)
+    raw = message(span(lease, 0, 0, n), data)
+    c = RawClient(d.port)
+    c.open(1)
+    half = len(raw) - len(data) // 2
+    await asyncio.to_thread(c.data, 1, raw[:half])
+    while not d.handoff.grpc_receiver().placing(lease):
+        await asyncio.sleep(0.01)
+    return lease, c, raw[half:]
+
+
 @pytest.mark.parametrize("encoder", ["kvwire", "protobuf"])
 def test_grpcio_clients_push_into_the_blocks(encoder: str) -> None:
     # kvwire puts the payload last (received in place); protobuf's order puts the compat
@@ -267,16 +283,7 @@ def test_a_stalled_message_lands_nothing_after_its_lease_is_dropped(
 
     async def scenario() -> None:
         async with decode_side() as d:
-            n = 16
-            lease = d.reserve("r", [4, 5, 6, 7], n)
-            data = payload(layer_kv(n, 0), 0, n)
-            raw = message(span(lease, 0, 0, n), data)
-            c = RawClient(d.port)
-            c.open(1)
-            half = len(raw) - len(data) // 2
-            await asyncio.to_thread(c.data, 1, raw[:half])
-            while not d.handoff.grpc_receiver().placing(lease):
-                await asyncio.sleep(0.01)
+            lease, c, rest = await half_sent(d)
             t0 = time.monotonic()
             await d.handoff.drop("r", "released")
             assert time.monotonic() - t0 >= 0.25  # it waited for the write under way
@@ -284,7 +291,7 @@ def test_a_stalled_message_lands_nothing_after_its_lease_is_dropped(
             d.pool.zero_()
             with pytest.raises(OSError):
                 for _ in range(50):  # the connection is gone: sending fails soon
-                    await asyncio.to_thread(c.data, 1, raw[half:])
+                    await asyncio.to_thread(c.data, 1, rest)
                     await asyncio.sleep(0.02)
             await asyncio.sleep(0.1)
             assert d.pool.abs().sum() == 0
@@ -296,15 +303,7 @@ def test_a_stalled_message_lands_nothing_after_its_lease_is_dropped(
 def test_a_sender_that_vanishes_mid_message_frees_the_blocks() -> None:
     async def scenario() -> None:
         async with decode_side() as d:
-            n = 16
-            lease = d.reserve("r", [4, 5, 6, 7], n)
-            data = payload(layer_kv(n, 0), 0, n)
-            raw = message(span(lease, 0, 0, n), data)
-            c = RawClient(d.port)
-            c.open(1)
-            await asyncio.to_thread(c.data, 1, raw[: len(raw) // 2])
-            while not d.handoff.grpc_receiver().placing(lease):
-                await asyncio.sleep(0.01)
+            lease, c, _ = await half_sent(d)
             c.close()
             for _ in range(200):
                 if d.engine.released:

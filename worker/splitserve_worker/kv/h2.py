@@ -138,18 +138,22 @@ def tune(sock: socket.socket, buffer_bytes: int = 4 << 20) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
+def advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of ``views`` (in place): what a partial write or read
+    leaves to do."""
+    while n:
+        if n >= len(views[0]):
+            n -= len(views.pop(0))
+        else:
+            views[0] = views[0][n:]
+            n = 0
+
+
 def send_all(sock: socket.socket, buffers: list[memoryview | bytes]) -> None:
     """Write every byte of ``buffers`` with as few ``sendmsg`` calls as the kernel allows."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     while views:
-        sent = sock.sendmsg(views[:IOV_MAX])
-        while sent:
-            if sent >= len(views[0]):
-                sent -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
+        advance(views, sock.sendmsg(views[:IOV_MAX]))
 
 
 class Reader:
@@ -201,13 +205,7 @@ class Reader:
             got = self._sock.recvmsg_into(views[:IOV_MAX])[0]
             if not got:
                 raise H2Error("the peer closed the connection")
-            while got:
-                if got >= len(views[0]):
-                    got -= len(views[0])
-                    views.pop(0)
-                else:
-                    views[0] = views[0][got:]
-                    got = 0
+            advance(views, got)
 
     def skip(self, n: int) -> None:
         while n:
@@ -241,6 +239,22 @@ class Reader:
         return bytes(block)
 
 
+def split(views: list[memoryview], n: int) -> tuple[list[memoryview], list[memoryview]]:
+    """The first ``n`` bytes of ``views``, and the rest (views of the same memory)."""
+    first: list[memoryview] = []
+    rest = list(views)
+    while n:
+        v = rest[0]
+        if len(v) <= n:
+            first.append(rest.pop(0))
+            n -= len(v)
+        else:
+            first.append(v[:n])
+            rest[0] = v[n:]
+            n = 0
+    return first, rest
+
+
 def split_frames(
     stream_id: int, views: list[memoryview], size: int, max_frame: int, end_stream: bool = False
 ) -> tuple[list[memoryview | bytes], list[memoryview]]:
@@ -253,14 +267,6 @@ def split_frames(
         size -= n
         flags = END_STREAM if end_stream and not size else 0
         out.append(frame_header(n, DATA, flags, stream_id))
-        while n:
-            v = rest[0]
-            if len(v) <= n:
-                out.append(v)
-                n -= len(v)
-                rest.pop(0)
-            else:
-                out.append(v[:n])
-                rest[0] = v[n:]
-                n = 0
+        payload, rest = split(rest, n)
+        out += payload
     return out, rest

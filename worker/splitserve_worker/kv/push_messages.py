@@ -61,22 +61,6 @@ class PushSink(Protocol):
         ...
 
 
-def _split(views: list[memoryview], n: int) -> tuple[list[memoryview], list[memoryview]]:
-    """The first ``n`` bytes of ``views``, and the rest."""
-    first: list[memoryview] = []
-    rest = list(views)
-    while n:
-        v = rest[0]
-        if len(v) <= n:
-            first.append(rest.pop(0))
-            n -= len(v)
-        else:
-            first.append(v[:n])
-            rest[0] = v[n:]
-            n = 0
-    return first, rest
-
-
 class Inbound:
     """One call's message parser: DATA frame payloads in, messages out to the sink."""
 
@@ -174,7 +158,7 @@ class Inbound:
             self._to_buffer()
             return
         early = memoryview(self._buf)[off:]
-        now, self._views = _split(views, min(size, len(early)))
+        now, self._views = h2.split(views, min(size, len(early)))
         pos = 0
         for v in now:
             v[:] = early[pos : pos + len(v)]
@@ -186,7 +170,7 @@ class Inbound:
     def _read_data(self, reader: h2.Reader) -> None:
         assert self._left is not None
         n = min(self.frame_left, self._data_left)
-        now, self._views = _split(self._views, n)
+        now, self._views = h2.split(self._views, n)
         reader.read_into(now)
         self.frame_left -= n
         self._left -= n
