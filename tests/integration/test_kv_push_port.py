@@ -55,8 +55,8 @@ class Decode:
     handoff: DecodeHandoff
     engine: NoEngine
 
-    def reserve(self, rid: str, blocks: list[int], n: int) -> Lease:
-        return self.leases.add(rid, blocks, num_tokens=n, num_layers=L, ttl=30, backend="grpc")
+    def reserve(self, rid: str, blocks: list[int], n: int, ttl: float = 30) -> Lease:
+        return self.leases.add(rid, blocks, num_tokens=n, num_layers=L, ttl=ttl, backend="grpc")
 
     def read(self, lease: Lease, layer: int) -> torch.Tensor:
         k, v = PoolView(self.pool).read(layer, lease.block_ids, 0, lease.num_tokens)
@@ -358,5 +358,37 @@ def test_garbage_ends_only_its_own_connection() -> None:
                 ack = await asyncio.to_thread(push, iter(msgs), timeout=20, metadata=auth)
             assert ack.layers_received == L
             assert torch.equal(d.read(lease, 1), kv)
+
+    asyncio.run(scenario())
+
+
+def test_a_push_that_stops_sending_loses_its_lease(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The call stays open but nothing comes: each span renews the lease, so one well past
+    # its expiry is stalled. The reaper frees its blocks; the next message is refused.
+    from splitserve_worker.server import handoff as handoff_mod
+
+    monkeypatch.setattr(handoff_mod, "STALLED_PUSH_S", 0.2)
+
+    async def scenario() -> None:
+        async with decode_side() as d:
+            n = 8
+            lease = d.reserve("r", [3, 8], n, ttl=0.3)
+            kv = layer_kv(n, 0)
+            c = RawClient(d.port)
+            c.open(1)
+            first = message(span(lease, 0, 0, n), payload(kv, 0, n))
+            await asyncio.to_thread(c.data, 1, first)
+            while lease.bytes_received == 0:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.35)  # expired, but not yet stalled for long
+            assert await d.handoff.reap_once() == 0 and d.leases.contains("r")
+            await asyncio.sleep(0.3)
+            assert await d.handoff.reap_once() == 1
+            assert d.engine.released == ["r"] and not d.leases.contains("r")
+            second = message(span(lease, 1, 0, n), payload(kv, 0, n))
+            await asyncio.to_thread(c.data, 1, second, end=True)
+            status, details, _ = await asyncio.to_thread(c.answer, 1)
+            assert status == grpc.StatusCode.DEADLINE_EXCEEDED.value[0] and "expired" in details
+            c.close()
 
     asyncio.run(scenario())

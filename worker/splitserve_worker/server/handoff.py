@@ -35,6 +35,9 @@ from splitserve_worker.server.errors import RpcFailure
 log = logging.getLogger(__name__)
 
 REAP_INTERVAL_S = 0.2
+STALLED_PUSH_S = 5.0
+"""A push that sent nothing this long past its lease's expiry loses the lease: its blocks
+are freed though the call is still open (its next message is refused)."""
 NIXL_GRACE_S = 5.0
 """A NIXL write cannot be recalled: blocks of an expired NIXL lease wait this much longer
 (the sender stops posting at the lease's expiry) before they can be reused."""
@@ -341,8 +344,10 @@ class DecodeHandoff:
             grace = NIXL_GRACE_S if lease.backend == "nixl" else 0.0
             if lease.state is State.ATTACHED or now < lease.expires_at + grace:
                 continue
-            if self._busy.get(lease.request_id):
-                continue  # the push handler sees the expiry itself and frees the blocks
+            if self._busy.get(lease.request_id) and now < lease.expires_at + STALLED_PUSH_S:
+                continue  # the push handler sees the expiry at its next message
+            # (each span renews the lease: one this far past expiry has a sender that
+            # stopped sending; a write under way into the blocks is waited for)
             await self.drop(lease.request_id, "lease_expired")
             n += 1
         return n
