@@ -143,7 +143,6 @@ class GrpcSender:
             max(5.0, target.deadline_unix - time.time() + 5.0) if target.deadline_unix else 600
         )
         self._calls: list[Call] = []
-        self._pumps: list[threading.Thread] = []
         try:
             host, port = push_address(target.decode_address, target.backend_metadata)
             for i in range(streams):
@@ -153,10 +152,8 @@ class GrpcSender:
             self._fail(f"cannot open the KV stream to {target.decode_address}: {e}", "stream")
             return
         for q, call in zip(self._queues, self._calls, strict=True):
-            pump = threading.Thread(target=self._pump, args=(q, call), daemon=True,
-                                    name=f"kv-send-{target.request_id}")  # fmt: skip
-            pump.start()
-            self._pumps.append(pump)
+            threading.Thread(target=self._pump, args=(q, call), daemon=True,
+                             name=f"kv-send-{target.request_id}").start()  # fmt: skip
 
     def _pump(self, q: queue.Queue[_Out | None], call: Call) -> None:
         """Writes this stream's messages to the wire until the end marker (or a failure,

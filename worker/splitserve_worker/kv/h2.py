@@ -256,7 +256,7 @@ def split(views: list[memoryview], n: int) -> tuple[list[memoryview], list[memor
 
 
 def split_frames(
-    stream_id: int, views: list[memoryview], size: int, max_frame: int, end_stream: bool = False
+    stream_id: int, views: list[memoryview], size: int, max_frame: int
 ) -> tuple[list[memoryview | bytes], list[memoryview]]:
     """DATA frames carrying the first ``size`` bytes of ``views`` (frames of at most
     ``max_frame``): the buffers to write, and what is left of ``views``."""
@@ -265,8 +265,7 @@ def split_frames(
     while size:
         n = min(size, max_frame)
         size -= n
-        flags = END_STREAM if end_stream and not size else 0
-        out.append(frame_header(n, DATA, flags, stream_id))
+        out.append(frame_header(n, DATA, 0, stream_id))
         payload, rest = split(rest, n)
         out += payload
     return out, rest

@@ -56,7 +56,6 @@ class Call:
         self.response = bytearray()
         self.error: CallError | None = None
         self.ok = False
-        self.headers_seen = False
         self.sent_end = False
 
     def done(self) -> bool:
@@ -334,7 +333,6 @@ class Connection:
                 self._end_call_locked(call, CallError(
                     grpc.StatusCode.UNAVAILABLE, f"the server answered HTTP {status}"))  # fmt: skip
                 return
-            call.headers_seen = True
             if not end:
                 return
             code = _CODES.get(int(headers.get("grpc-status", "2")), grpc.StatusCode.UNKNOWN)
