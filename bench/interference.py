@@ -59,12 +59,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from splitserve.roles import Role
 from splitserve_worker.commands.router import load_tokenizer
 from splitserve_worker.commands.up import WorkerProcs
 from splitserve_worker.router.config import RouterConfig
 from splitserve_worker.router.discovery import StaticDiscovery
 from splitserve_worker.router.local import RouterThread
-from splitserve_worker.router.scoring import Role
 from splitserve_worker.router.service import RouterService
 
 

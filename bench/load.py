@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from splitserve.roles import Role
 from splitserve_worker.commands.up import WorkerProcs
-from splitserve_worker.router.scoring import Role
 
 
 @dataclass

@@ -33,10 +33,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from planner_model import ModelParams, Phase, QueueModel
 from splitserve_operator.planner import (

@@ -21,10 +21,11 @@ import random
 import statistics
 import time
 
+from splitserve.roles import Role
 from splitserve_worker.engine.prefix_cache import block_hashes
 from splitserve_worker.router.config import RouterConfig
 from splitserve_worker.router.planner import RoutePlanner
-from splitserve_worker.router.scoring import Role, WorkerView
+from splitserve_worker.router.scoring import WorkerView
 
 BLOCK = 16
 

@@ -30,17 +30,13 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import sys
 import threading
 import time
 from concurrent import futures
-from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_clock import cpu_seconds
 from kv_transfer import NBYTES, ShmRun, TcpRun, _source
 

@@ -11,10 +11,10 @@ from splitserve_operator.planner import Pool as PlannerPool
 
 
 class OperatorMetrics:
-    """The operator's series (names from :mod:`splitserve_worker.metrics.names`)."""
+    """The operator's series (names from :mod:`splitserve.metric_names`)."""
 
     def __init__(self, registry: Any | None = None) -> None:
-        from splitserve_worker.metrics import names
+        from splitserve import metric_names as names
         from splitserve_worker.metrics.registry import Metrics
 
         self.metrics = Metrics(registry)

@@ -2,7 +2,7 @@
 
 :class:`PrometheusSource` asks Prometheus's HTTP API (``/api/v1/query``) one
 instant PromQL query per signal. Every query is built here from the metric
-names in :mod:`splitserve_worker.metrics.names` (the single source of the
+names in :mod:`splitserve.metric_names` (the single source of the
 names; a test checks that each one is exported by the code), scoped to one
 InferenceService by a label selector.
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
-import splitserve_worker.metrics.names as names
+import splitserve.metric_names as names
 
 from splitserve_operator.planner import Observation
 

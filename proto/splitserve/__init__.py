@@ -1,0 +1,13 @@
+"""splitserve's contract: what the operator and the worker (router and engine included)
+must agree on, and nothing else.
+
+- :mod:`splitserve.v1`: the gRPC contract between router, prefill and decode workers
+  (generated from ``v1/worker.proto``; the generated code is committed).
+- :mod:`splitserve.metric_names`: every metric name, kind, label and bucket splitserve
+  exports, read by the workers that export them and by the operator's planner queries,
+  dashboards and alerts.
+- :mod:`splitserve.roles`: the roles a worker serves.
+
+Modules here import the standard library only (``v1`` also needs protobuf and grpcio),
+so either side can use them without the other's dependencies.
+"""

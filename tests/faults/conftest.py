@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,10 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
-from splitserve_worker.router.scoring import Role
-
-sys.path.insert(0, str(Path(__file__).parent))
 from fault_stack import LEASE_S, ROUTER_CONFIG, Outcome, Relay, Stack, start_stack
+from splitserve.roles import Role
 
 
 @pytest.fixture(autouse=True)

@@ -21,13 +21,13 @@ TOKEN = "backpressure-token"
 
 
 async def start(model: Path) -> tuple[Any, Any, Any, Any, str]:
+    from splitserve.roles import Role
     from splitserve_worker.commands.router import load_tokenizer
     from splitserve_worker.commands.up import serve_router
     from splitserve_worker.models import load_model
     from splitserve_worker.router.app import create_app
     from splitserve_worker.router.config import RouterConfig
     from splitserve_worker.router.discovery import StaticDiscovery, WorkerEndpoint
-    from splitserve_worker.router.scoring import Role
     from splitserve_worker.router.service import RouterService
     from splitserve_worker.server.app import start_worker
     from splitserve_worker.server.config import WorkerConfig

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from splitserve.roles import Role
 from splitserve_worker.kv.faults import ENV_CORRUPT, ENV_FAIL, ENV_SEED, FaultConfig
-from splitserve_worker.router.scoring import Role
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

@@ -17,8 +17,8 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+from splitserve.roles import Role
 from splitserve_worker.kv.faults import ENV_FAIL, ENV_SEED
-from splitserve_worker.router.scoring import Role
 from splitserve_worker.server.client import WorkerClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,16 +25,14 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from splitserve.roles import Role
 from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.commands.up import WorkerProcs
 from splitserve_worker.engine import Engine, EngineConfig, SamplingParams
 from splitserve_worker.kv.transport import unavailable_reason
 from splitserve_worker.models import load_model, save_tiny_llama
 from splitserve_worker.router.discovery import WorkerEndpoint
-from splitserve_worker.router.scoring import Role
 from splitserve_worker.server.client import WorkerClient
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from stack_kit import ALWAYS_REMOTE, router
 from worker_kit import all_free, collect, prompt_of, split_request
 

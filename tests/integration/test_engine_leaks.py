@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from splitserve import metric_names as names
 from splitserve_worker.engine import (
     Engine,
     EngineConfig,
@@ -17,7 +18,6 @@ from splitserve_worker.engine import (
     RequestError,
     SamplingParams,
 )
-from splitserve_worker.metrics import names
 from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.models import LoadedModel, load_model
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from splitserve import metric_names as names
 from splitserve_worker.engine import (
     Engine,
     EngineConfig,
@@ -15,7 +16,6 @@ from splitserve_worker.engine import (
     RequestOutput,
     SamplingParams,
 )
-from splitserve_worker.metrics import names
 from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.models import LoadedModel, load_model
 

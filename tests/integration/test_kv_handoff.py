@@ -8,7 +8,6 @@ worker *processes* is in ``test_kv_processes.py``.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,8 +25,6 @@ from splitserve_worker.server.app import RunningWorker, start_worker
 from splitserve_worker.server.client import WorkerClient
 from splitserve_worker.server.config import WorkerConfig
 from splitserve_worker.server.wire import auth_metadata
-
-sys.path.insert(0, str(Path(__file__).parent))
 from worker_kit import all_free
 
 pytestmark = pytest.mark.integration

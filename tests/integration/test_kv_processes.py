@@ -23,8 +23,6 @@ from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.kv.nixl_common import loopback_tls
 from splitserve_worker.kv.transport import unavailable_reason
 from splitserve_worker.server.client import WorkerClient
-
-sys.path.insert(0, str(Path(__file__).parent))
 from worker_kit import all_free, collect, prompt_of, split_request
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -4,13 +4,8 @@ HTTP: create, status, update, drift repair, delete."""
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
-from splitserve_operator.k8s import DEPLOYMENT, INFERENCE_SERVICE
-
-sys.path.insert(0, str(Path(__file__).parent))
 from operator_helpers import (
     CHILDREN,
     CONFIGMAP,
@@ -23,6 +18,7 @@ from operator_helpers import (
     replicas,
     service,
 )
+from splitserve_operator.k8s import DEPLOYMENT, INFERENCE_SERVICE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

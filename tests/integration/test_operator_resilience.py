@@ -3,16 +3,11 @@ restarts (also mid-reconcile), API errors, foreign objects, other writers."""
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import kmock
 import pytest
-from splitserve_operator.k8s import DEPLOYMENT, INFERENCE_SERVICE
-
-sys.path.insert(0, str(Path(__file__).parent))
 from operator_helpers import (
     all_children,
     condition,
@@ -22,6 +17,7 @@ from operator_helpers import (
     replicas,
     service,
 )
+from splitserve_operator.k8s import DEPLOYMENT, INFERENCE_SERVICE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

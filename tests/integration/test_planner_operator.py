@@ -4,16 +4,12 @@ the ScalingActive condition and one Warning event, and recovers when they come."
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
+from prom_fixture import PrometheusServer, free_port, prometheus  # noqa: F401
 from splitserve_operator.autoscale import AutoscaleConfig
 from splitserve_operator.k8s import DEPLOYMENT, INFERENCE_SERVICE
-
-sys.path.insert(0, str(Path(__file__).parent))
-from prom_fixture import PrometheusServer, free_port, prometheus  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

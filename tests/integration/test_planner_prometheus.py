@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,15 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prom_fixture import PrometheusServer, ScrapeTarget, free_port, prometheus  # noqa: F401
+from prom_stack import LiveStack, Load
+from splitserve.metric_names import exported_series_names
 from splitserve_operator.autoscale import AutoscaleConfig
 from splitserve_operator.dashboards import build_all, expressions
 from splitserve_operator.k8s import DEPLOYMENT, INFERENCE_SERVICE, KubeClient
 from splitserve_operator.planner import PlannerConfig
-from splitserve_worker.metrics.names import exported_series_names
-
-sys.path.insert(0, str(Path(__file__).parent))
-from prom_fixture import PrometheusServer, ScrapeTarget, free_port, prometheus  # noqa: F401
-from prom_stack import LiveStack, Load
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -6,8 +6,8 @@ import asyncio
 from typing import Any
 
 import pytest
+from splitserve.roles import Role
 from splitserve_worker.router.discovery import KubernetesDiscovery, WorkerEndpoint
-from splitserve_worker.router.scoring import Role
 
 pytestmark = pytest.mark.integration
 

@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from splitserve.roles import Role
 from splitserve_worker.router.discovery import WorkerEndpoint
-from splitserve_worker.router.scoring import Role
-
-sys.path.insert(0, str(Path(__file__).parent))
 from stack_kit import (  # noqa: F401  (fixtures)
     ALWAYS_REMOTE,
     MAX_TOKENS,

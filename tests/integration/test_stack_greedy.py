@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,14 +15,12 @@ from typing import Any
 
 import httpx
 import pytest
+from splitserve.roles import Role
 from splitserve_worker.commands.up import WorkerProcs
 from splitserve_worker.kv.transport import unavailable_reason
 from splitserve_worker.router.config import QueueConfig
 from splitserve_worker.router.discovery import WorkerEndpoint
 from splitserve_worker.router.local import RouterThread
-from splitserve_worker.router.scoring import Role
-
-sys.path.insert(0, str(Path(__file__).parent))
 from stack_kit import (  # noqa: F401  (fixtures)
     ALWAYS_REMOTE,
     MAX_TOKENS,

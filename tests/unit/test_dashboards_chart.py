@@ -9,9 +9,9 @@ import re
 from pathlib import Path
 
 import pytest
+from splitserve.metric_names import exported_series_names
 from splitserve_operator import chart
 from splitserve_operator.dashboards import build_all, dump, expressions
-from splitserve_worker.metrics.names import exported_series_names
 
 pytestmark = pytest.mark.unit
 
@@ -76,7 +76,7 @@ def test_overview_shows_the_slo_and_goodput() -> None:
 
 def test_slo_choices_are_the_bucket_bounds_of_their_own_histogram() -> None:
     from prometheus_client.utils import floatToGoString
-    from splitserve_worker.metrics import names
+    from splitserve import metric_names as names
 
     model = build_all()["overview.json"]
     options = {

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from splitserve.metric_names import GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION
 from splitserve_worker.metrics import gpu as gpu_module
 from splitserve_worker.metrics.gpu import GpuCollector, register_gpu_collector
-from splitserve_worker.metrics.names import GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION
 
 
 class FakeNVMLError(Exception):

@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from splitserve_worker.metrics import names
+from splitserve import metric_names as names
 from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.metrics.server import start_metrics_server
 

@@ -3,20 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
-from splitserve_operator.crd_validation import load_crd, schema_of
-from splitserve_operator.render import plan_replicas
-from splitserve_operator.render.commands import (
-    WORKER_METRICS_PORT,
-)
-from splitserve_operator.spec import Pool, parse_spec
-
-sys.path.insert(0, str(Path(__file__).parent))
 from render_helpers import BASE, arg, config, container, env, existing_only, objects, pod
 from render_settings import (
     ENGINE_SETTINGS,
@@ -27,6 +17,12 @@ from render_settings import (
     router_section,
     router_setting,
 )
+from splitserve_operator.crd_validation import load_crd, schema_of
+from splitserve_operator.render import plan_replicas
+from splitserve_operator.render.commands import (
+    WORKER_METRICS_PORT,
+)
+from splitserve_operator.spec import Pool, parse_spec
 
 pytestmark = pytest.mark.unit
 

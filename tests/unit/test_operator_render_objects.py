@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
+from render_helpers import BASE, K8S_VERSION, REF, arg, container, env, objects, pod
 from splitserve_operator.render import Desired, RenderInputs, render
 from splitserve_operator.render.commands import (
     ROUTER_HTTP_PORT,
@@ -20,9 +19,6 @@ from splitserve_operator.render.commands import (
 )
 from splitserve_operator.render.security import restricted_violations
 from splitserve_operator.spec import Pool, parse_spec
-
-sys.path.insert(0, str(Path(__file__).parent))
-from render_helpers import BASE, K8S_VERSION, REF, arg, container, env, objects, pod
 
 pytestmark = pytest.mark.unit
 

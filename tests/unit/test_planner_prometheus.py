@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+from splitserve.metric_names import exported_series_names
 from splitserve_operator.prometheus import (
     MetricsUnavailable,
     PrometheusSource,
@@ -16,7 +17,6 @@ from splitserve_operator.prometheus import (
     parse_scalar,
     queries_for,
 )
-from splitserve_worker.metrics.names import exported_series_names
 
 pytestmark = pytest.mark.unit
 

@@ -4,12 +4,10 @@ bench's queueing model meets the issue's targets on a x3 load step."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from bench_modules import load_bench
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from splitserve_operator.planner import (
@@ -81,17 +79,7 @@ def test_random_ticks_respect_bounds_and_cooldowns(
 
 
 def _bench() -> ModuleType:
-    root = Path(__file__).resolve().parents[2] / "bench"
-    sys.path.insert(0, str(root))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_planner", root / "planner.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(root))
+    return load_bench("planner", "planner_model", "planner_sim")
 
 
 @pytest.mark.unit

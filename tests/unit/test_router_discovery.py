@@ -14,13 +14,13 @@ from kubernetes.client import (
     V1PodSpec,
     V1PodStatus,
 )
+from splitserve.roles import Role
 from splitserve_worker.router.discovery import (
     DiscoveryError,
     WorkerEndpoint,
     endpoint_from_pod,
     parse_static,
 )
-from splitserve_worker.router.scoring import Role
 
 pytestmark = pytest.mark.unit
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+from splitserve.roles import Role
 from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.router.config import QueueConfig, RouterConfig, TimeoutConfig
@@ -21,7 +22,6 @@ from splitserve_worker.router.dispatch import Dispatcher, GenRequest
 from splitserve_worker.router.failures import RequestFailed
 from splitserve_worker.router.planner import RoutePlanner
 from splitserve_worker.router.pool import WorkerPool
-from splitserve_worker.router.scoring import Role
 from splitserve_worker.router.worker_client import Sampling
 
 pytestmark = pytest.mark.unit

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from splitserve.roles import Role
 from splitserve_worker.router.prefix_index import BlockEvent, EventKind, PrefixIndex
 from splitserve_worker.router.scoring import (
     KVFreeScorer,
     LoadScorer,
     PrefixScorer,
-    Role,
     RouteRequest,
     RunningScorer,
     WorkerView,

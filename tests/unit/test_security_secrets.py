@@ -13,12 +13,12 @@ import stat
 from pathlib import Path
 
 import pytest
+from splitserve.roles import Role
 from splitserve_worker.commands import router as router_cmd
 from splitserve_worker.commands import up as up_cmd
 from splitserve_worker.commands import worker as worker_cmd
 from splitserve_worker.router.config import RouterConfig
 from splitserve_worker.router.errors import APIError
-from splitserve_worker.router.scoring import Role
 from splitserve_worker.server.auth import UNAUTHENTICATED_MESSAGE, TokenAuthInterceptor
 from splitserve_worker.server.config import WorkerConfig
 

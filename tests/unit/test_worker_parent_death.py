@@ -9,8 +9,8 @@ import sys
 import time
 
 import pytest
+from splitserve.roles import Role
 from splitserve_worker.commands.up import WorkerProcs
-from splitserve_worker.router.scoring import Role
 
 pytestmark = pytest.mark.unit
 

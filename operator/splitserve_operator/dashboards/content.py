@@ -1,7 +1,7 @@
 """splitserve's four dashboards: service overview and pools here, KV transfer and
 planner in :mod:`.internals`; :data:`DASHBOARDS` lists all four.
 
-Every query is built from the metric names in :mod:`splitserve_worker.metrics.names`
+Every query is built from the metric names in :mod:`splitserve.metric_names`
 and the same series selector the planner uses
 (:data:`splitserve_operator.prometheus.DEFAULT_SELECTOR`), so a dashboard shows
 what the planner sees. A test runs each query against a live Prometheus fed by
@@ -10,7 +10,7 @@ real workers.
 
 from __future__ import annotations
 
-import splitserve_worker.metrics.names as n
+import splitserve.metric_names as n
 
 from splitserve_operator.dashboards.grafana import Dashboard, Panel, Row, Target
 from splitserve_operator.dashboards.internals import kv_transfer, planner, replicas_panel

@@ -5,7 +5,7 @@ Queries come from the same builders as the serving dashboards (:mod:`.queries`).
 
 from __future__ import annotations
 
-import splitserve_worker.metrics.names as n
+import splitserve.metric_names as n
 
 from splitserve_operator.dashboards.grafana import Dashboard, Panel, Row, Target
 from splitserve_operator.dashboards.queries import (

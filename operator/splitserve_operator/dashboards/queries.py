@@ -3,7 +3,7 @@ builders every panel uses, and the dashboards' variables."""
 
 from __future__ import annotations
 
-import splitserve_worker.metrics.names as n
+import splitserve.metric_names as n
 from prometheus_client.utils import floatToGoString
 
 from splitserve_operator.dashboards.grafana import Target, Variable

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from splitserve.roles import Role
+
 from splitserve_worker.commands.worker import METRICS_PREFIX, READY_PREFIX
 from splitserve_worker.router.discovery import WorkerEndpoint
-from splitserve_worker.router.scoring import Role
 
 DEMO_QUESTION = "What is the capital of France? Answer in one short sentence."
 

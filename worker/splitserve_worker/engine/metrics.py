@@ -1,8 +1,9 @@
-"""The engine's Prometheus series (names from :mod:`splitserve_worker.metrics.names`)."""
+"""The engine's Prometheus series (names from :mod:`splitserve.metric_names`)."""
 
 from __future__ import annotations
 
-from splitserve_worker.metrics import names
+from splitserve import metric_names as names
+
 from splitserve_worker.metrics.registry import Metrics
 
 

@@ -16,8 +16,7 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
-
-from splitserve_worker.metrics.names import GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION
+from splitserve.metric_names import GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
-
-from splitserve_worker.metrics.names import Kind, MetricSpec
+from splitserve.metric_names import Kind, MetricSpec
 
 
 class Metrics:

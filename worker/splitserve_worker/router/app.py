@@ -13,9 +13,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.background import BackgroundTask
-
-from splitserve_worker.metrics.names import (
+from splitserve.metric_names import (
     E2E,
     GENERATION_TOKENS,
     PROMPT_TOKENS,
@@ -23,6 +21,9 @@ from splitserve_worker.metrics.names import (
     TPOT,
     TTFT,
 )
+from splitserve.roles import DECODE_ROLES
+from starlette.background import BackgroundTask
+
 from splitserve_worker.router import errors, jobs, tokens
 from splitserve_worker.router.api_models import ChatCompletionRequest, CompletionRequest
 from splitserve_worker.router.body_limit import BodyLimit
@@ -42,7 +43,6 @@ from splitserve_worker.router.responses import (
     sse,
     usage,
 )
-from splitserve_worker.router.scoring import DECODE_ROLES
 from splitserve_worker.router.service import RouterService
 
 

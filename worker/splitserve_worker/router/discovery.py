@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from splitserve_worker.router.scoring import Role
+from splitserve.roles import Role
 
 log = logging.getLogger(__name__)
 

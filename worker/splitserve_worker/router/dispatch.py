@@ -32,13 +32,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
-
-from splitserve_worker.metrics.names import (
+from splitserve.metric_names import (
     DECODE_QUEUE,
     DISAGG_DECISIONS,
     PREFILL_QUEUE,
     ROUTER_RETRIES,
 )
+from splitserve.roles import DECODE_ROLES, PREFILL_ROLES
+
 from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.router.config import RouterConfig
 from splitserve_worker.router.failures import (
@@ -52,7 +53,6 @@ from splitserve_worker.router.failures import (
 from splitserve_worker.router.planner import NoWorker, Plan, RoutePlanner
 from splitserve_worker.router.pool import WorkerPool
 from splitserve_worker.router.queues import Admission, Stage
-from splitserve_worker.router.scoring import DECODE_ROLES, PREFILL_ROLES
 from splitserve_worker.router.worker_client import PromptScores, Sampling, WorkerConn
 from splitserve_worker.server.convert import top_from_proto
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from splitserve.roles import DECODE_ROLES, PREFILL_ROLES, Role
+
 from splitserve_worker.router.config import RouterConfig
 from splitserve_worker.router.decision import (
     CostEstimator,
@@ -20,11 +22,8 @@ from splitserve_worker.router.decision import (
 )
 from splitserve_worker.router.prefix_index import PrefixIndex
 from splitserve_worker.router.scoring import (
-    DECODE_ROLES,
-    PREFILL_ROLES,
     Choice,
     Profile,
-    Role,
     RouteRequest,
     WorkerView,
     decode_profile,

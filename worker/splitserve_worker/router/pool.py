@@ -16,11 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import grpc
+from splitserve.roles import Role
 from splitserve.v1 import worker_pb2 as pb
 
 from splitserve_worker.router.discovery import Discovery, WorkerEndpoint
 from splitserve_worker.router.prefix_index import PrefixIndex
-from splitserve_worker.router.scoring import Role, WorkerView
+from splitserve_worker.router.scoring import WorkerView
 from splitserve_worker.router.worker_client import WorkerConn
 
 log = logging.getLogger(__name__)

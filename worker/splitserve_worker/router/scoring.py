@@ -9,26 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Protocol
 
-
-class Role(StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    BOTH = "both"
-
-    @property
-    def can_prefill(self) -> bool:
-        return self in PREFILL_ROLES
-
-    @property
-    def can_decode(self) -> bool:
-        return self in DECODE_ROLES
-
-
-PREFILL_ROLES = frozenset({Role.PREFILL, Role.BOTH})
-DECODE_ROLES = frozenset({Role.DECODE, Role.BOTH})
+from splitserve.roles import DECODE_ROLES, PREFILL_ROLES, Role
 
 
 @dataclass(frozen=True)

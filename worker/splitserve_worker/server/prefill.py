@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import grpc
+from splitserve import metric_names as names
 from splitserve.v1 import worker_pb2 as pb
 from splitserve.v1 import worker_pb2_grpc
 
@@ -28,7 +29,6 @@ from splitserve_worker.kv.transport import (
     TransferError,
     create_sender_backend,
 )
-from splitserve_worker.metrics import names
 from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.server.convert import (
     compat_from_proto,

@@ -7,7 +7,7 @@ absent the tests that need it skip with the reason, except under ``CI``, where
 they fail: CI installs it (``make system-deps``).
 
 Import into a test module: ``from prom_fixture import PrometheusServer, prometheus``
-(with this folder on ``sys.path``; see the planner's integration tests).
+(``tests/support`` is on pytest's ``pythonpath``).
 """
 
 from __future__ import annotations

@@ -14,11 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
+from splitserve.roles import Role
 from splitserve_worker.commands.up import WorkerProcs
 from splitserve_worker.router.config import RouterConfig
 from splitserve_worker.router.discovery import StaticDiscovery, WorkerEndpoint
 from splitserve_worker.router.local import RouterThread
-from splitserve_worker.router.scoring import Role
 from splitserve_worker.router.service import RouterService
 
 PROMPTS = [[5, 17, 99, 3, 42], list(range(10, 50)), [(i * 7919) % 250 for i in range(100)]]

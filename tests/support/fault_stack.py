@@ -27,10 +27,10 @@ from typing import Any
 from unittest import mock
 
 import httpx
+from splitserve.roles import Role
 from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.commands.up import WorkerProc, WorkerProcs
 from splitserve_worker.kv.faults import ENV_HOLD_DIR, hold_files
-from splitserve_worker.router.scoring import Role
 from splitserve_worker.server.client import WorkerClient
 
 LEASE_S = 3.0
