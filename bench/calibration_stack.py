@@ -94,7 +94,7 @@ def free_port() -> int:
 def stack(model: str, port: int, timeout_s: float = 600.0) -> Iterator[str]:
     """``splitserve up --model M --prefill 1 --decode 1 --port P`` as a subprocess."""
     cmd = [
-        sys.executable, "-m", "splitserve_worker.cli", "up", "--model", model,
+        sys.executable, "-m", "splitserve.cli", "up", "--model", model,
         "--prefill", "1", "--decode", "1", "--port", str(port), "--threads", str(THREADS),
     ]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1")

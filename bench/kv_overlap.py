@@ -22,7 +22,7 @@ TOKEN = "bench-token"
 
 def _spawn_worker(model: str, role: str, backend: str) -> tuple[subprocess.Popen[str], str]:
     env = dict(os.environ, SPLITSERVE_WORKER_TOKEN=TOKEN, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "splitserve_worker.cli", "worker", "--role", role, "--model",
+    cmd = [sys.executable, "-m", "splitserve.cli", "worker", "--role", role, "--model",
            model, "--port", "0", "--threads", "1", "--kv-backend", backend]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=env)  # fmt: skip

@@ -131,10 +131,10 @@ def _kv_receiver(backend: str, q_out: Any, q_in: Any) -> None:
 
 async def _kv_receiver_async(backend: str, q_out: Any, q_in: Any) -> None:
     import grpc
+    from splitserve.metric_registry import Metrics
     from splitserve_worker.kv.layout import PoolView
     from splitserve_worker.kv.lease import LeaseTable
     from splitserve_worker.kv.transport import BackendContext, create_receiver_backend
-    from splitserve_worker.metrics.registry import Metrics
     from splitserve_worker.server.auth import TokenAuthInterceptor
     from splitserve_worker.server.handoff import DecodeHandoff
     from splitserve_worker.server.push_sink import start_push_server

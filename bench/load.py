@@ -160,7 +160,7 @@ async def client_loop(
 def start_router(
     model: str, spec: str, token_file: Path, cfg: Path, port: int
 ) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "splitserve_worker.cli", "router", "--model", model,
+    cmd = [sys.executable, "-m", "splitserve.cli", "router", "--model", model,
            "--workers", spec, "--token-file", str(token_file), "--config", str(cfg),
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")

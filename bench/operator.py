@@ -22,12 +22,18 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import kubernetes.client
-from splitserve_operator.config import OperatorConfig
-from splitserve_operator.emulator import EmulatorThread
-from splitserve_operator.k8s import DEPLOYMENT, KubeClient
-from splitserve_operator.runtime import OperatorThread
+from splitserve_operator.control.config import OperatorConfig
+from splitserve_operator.control.k8s import DEPLOYMENT, KubeClient
+
+# The API emulator and the operator thread are test support, not part of the package.
+SUPPORT = Path(__file__).resolve().parents[1] / "tests" / "support"
+sys.path.insert(0, str(SUPPORT))
+
+from emulator_thread import EmulatorThread  # noqa: E402
+from operator_thread import OperatorThread  # noqa: E402
 
 
 def _free_port() -> int:
@@ -39,7 +45,7 @@ def _free_port() -> int:
 def _start_emulator_process() -> tuple[subprocess.Popen[str], str]:
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "splitserve_operator.emulator", "--port", str(port)],
+        [sys.executable, str(SUPPORT / "kube_emulator.py"), "--port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -131,12 +137,11 @@ def run(count: int, workers: int, in_process: bool) -> float:
             if not watcher.done.wait(max(60.0, count * 0.5)):
                 raise SystemExit(f"timed out: {len(watcher.names)} of {3 * count} Deployments")
             done = watcher.finished_at
-            if proc is not None:
-                print(
-                    f"CPU seconds: emulator {_cpu_seconds(proc.pid):.1f}, "
-                    f"operator and client {time.process_time():.1f}"
-                )
+            # read here, printed after: kopf's runner holds stdout while it runs
+            cpu = (_cpu_seconds(proc.pid), time.process_time()) if proc is not None else None
         client.close()
+        if cpu is not None:
+            print(f"CPU seconds: emulator {cpu[0]:.1f}, operator and client {cpu[1]:.1f}")
     finally:
         if proc is not None:
             proc.terminate()

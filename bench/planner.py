@@ -36,17 +36,17 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from planner_model import ModelParams, Phase, QueueModel
-from splitserve_operator.planner import (
+from splitserve_operator.planner.config import PlannerConfig
+from splitserve_operator.planner.core import plan
+from splitserve_operator.planner.model import (
     Bounds,
     Direction,
     Observation,
-    PlannerConfig,
     PlannerState,
     PoolDecision,
     PoolStatus,
     Slo,
     Tick,
-    plan,
 )
 
 INTERVAL_S = 10.0

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-from splitserve_operator.planner import Observation
+from splitserve_operator.planner.model import Observation
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from splitserve_operator.planner import Observation
+from splitserve_operator.planner.model import Observation
 from splitserve_operator.sim import (
     Mode,
     Percentiles,

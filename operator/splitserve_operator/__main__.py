@@ -2,6 +2,6 @@
 
 import sys
 
-from splitserve_operator.cli import main
+from splitserve_operator.commands.operator import main
 
 sys.exit(main())

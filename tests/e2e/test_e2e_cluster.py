@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import helm_chart as chart
 import pytest
 import yaml
-from splitserve_operator import chart
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -2,12 +2,12 @@
 
 Reuse them from any integration test (the planner's too):
 
-- ``kube``: a :class:`~splitserve_operator.emulator.EmulatorThread` serving a fresh
-  :class:`~splitserve_operator.emulator.KubeEmulator` on 127.0.0.1 (server-set
+- ``kube``: an :class:`emulator_thread.EmulatorThread` serving a fresh
+  :class:`kube_emulator.KubeEmulator` on 127.0.0.1 (server-set
   metadata, resourceVersions, status subresource, garbage collection, fault
   injection with ``kube.add_fault``). ``kube.objects("apps/v1/deployments")`` reads
   its state; ``kube.requests()`` lists what was served.
-- ``kube_client``: the operator's own adapter (:class:`~splitserve_operator.k8s.KubeClient`,
+- ``kube_client``: the operator's own adapter (:class:`~splitserve_operator.control.k8s.KubeClient`,
   the official client underneath) pointed at it with a configuration object, never
   ``$KUBECONFIG``.
 - ``start_operator``: starts the real kopf operator in a thread against the emulator,
@@ -24,10 +24,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
-from splitserve_operator.config import OperatorConfig
-from splitserve_operator.emulator import EmulatorThread
-from splitserve_operator.k8s import KubeClient
-from splitserve_operator.runtime import OperatorThread
+from emulator_thread import EmulatorThread
+from operator_thread import OperatorThread
+from splitserve_operator.control.config import OperatorConfig
+from splitserve_operator.control.k8s import KubeClient
 
 T = TypeVar("T")
 

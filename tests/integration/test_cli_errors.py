@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 def splitserve(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "SPLITSERVE_WORKER_TOKEN": "t"}
     return subprocess.run(
-        [sys.executable, "-m", "splitserve_worker.cli", *args],
+        [sys.executable, "-m", "splitserve.cli", *args],
         capture_output=True, text=True, timeout=240, env=env,
     )  # fmt: skip
 

@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from splitserve import metric_names as names
+from splitserve.metric_registry import Metrics
 from splitserve_worker.engine import (
     Engine,
     EngineConfig,
@@ -18,7 +19,6 @@ from splitserve_worker.engine import (
     RequestError,
     SamplingParams,
 )
-from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.models import LoadedModel, load_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from splitserve import metric_names as names
+from splitserve.metric_registry import Metrics
 from splitserve_worker.engine import (
     Engine,
     EngineConfig,
@@ -16,7 +17,6 @@ from splitserve_worker.engine import (
     RequestOutput,
     SamplingParams,
 )
-from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.models import LoadedModel, load_model
 
 pytestmark = pytest.mark.integration

@@ -51,7 +51,7 @@ def spawn(model: Path, role: str, *extra: str) -> Proc:
     env = dict(os.environ, SPLITSERVE_WORKER_TOKEN=TOKEN, OMP_NUM_THREADS="1",
                UCX_TLS=loopback_tls(), UCX_NET_DEVICES="lo",
                TOKENIZERS_PARALLELISM="false")  # fmt: skip
-    cmd = [sys.executable, "-m", "splitserve_worker.cli", "worker", "--role", role,
+    cmd = [sys.executable, "-m", "splitserve.cli", "worker", "--role", role,
            "--model", str(model), "--port", "0", "--threads", "1", "--num-blocks", "600",
            *extra]  # fmt: skip
     popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

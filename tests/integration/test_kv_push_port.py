@@ -18,6 +18,7 @@ import grpc
 import hpack
 import pytest
 import torch
+from splitserve.metric_registry import Metrics
 from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.kv import grpc_receiver, h2, kvwire
 from splitserve_worker.kv.compat import Compat
@@ -26,7 +27,6 @@ from splitserve_worker.kv.grpc_receiver import GrpcReceiver
 from splitserve_worker.kv.layout import PoolView
 from splitserve_worker.kv.lease import Lease, LeaseTable
 from splitserve_worker.kv.transport import BackendContext
-from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.server.handoff import DecodeHandoff
 from splitserve_worker.server.push_sink import start_push_server
 

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from splitserve.metric_registry import Metrics
 from splitserve_worker.kv import grpc_backend
 from splitserve_worker.kv.compat import Compat
 from splitserve_worker.kv.layout import PoolView, as_bytes, token_chunks
@@ -29,7 +30,6 @@ from splitserve_worker.kv.transport import (
     create_sender_backend,
     unavailable_reason,
 )
-from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.server.auth import TokenAuthInterceptor
 from splitserve_worker.server.handoff import DecodeHandoff
 from splitserve_worker.server.push_sink import start_push_server

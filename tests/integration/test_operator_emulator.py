@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import urllib3
-from splitserve_operator.emulator import KubeEmulator, merge_patch
-from splitserve_operator.k8s import (
+from kube_emulator import KubeEmulator, merge_patch
+from splitserve_operator.control.k8s import (
     DEPLOYMENT,
     INFERENCE_SERVICE,
     JSON_PATCH,

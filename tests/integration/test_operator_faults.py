@@ -7,9 +7,9 @@ import copy
 import os
 from typing import Any
 
+import helm_chart as chart
 import pytest
-from splitserve_operator import chart
-from splitserve_operator.k8s import INFERENCE_SERVICE
+from splitserve_operator.control.k8s import INFERENCE_SERVICE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -165,7 +165,7 @@ def test_the_charts_rbac_covers_every_call_the_operator_makes(
         return ((status.get("pools") or {}).get("decode") or {}).get("replicas")
 
     wait_for(lambda: decode_replicas() == 2, message="decode at 2 replicas in the status")
-    from splitserve_operator.k8s import DEPLOYMENT
+    from splitserve_operator.control.k8s import DEPLOYMENT
 
     kube_client.delete(DEPLOYMENT, "default", "demo-router")
     wait_for(lambda: len(kube.objects("apps/v1/deployments", "default")) == 3)

@@ -18,7 +18,7 @@ from operator_helpers import (
     replicas,
     service,
 )
-from splitserve_operator.k8s import DEPLOYMENT, INFERENCE_SERVICE
+from splitserve_operator.control.k8s import DEPLOYMENT, INFERENCE_SERVICE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -121,7 +121,7 @@ def test_a_network_policy_turned_off_is_opened(
     kube, kube_client, start_operator, inference_service, wait_for
 ) -> None:
     """The operator deletes nothing: turned off, the policy it made admits everyone."""
-    from splitserve_operator.k8s import KINDS
+    from splitserve_operator.control.k8s import KINDS
 
     policy = KINDS[("networking.k8s.io/v1", "NetworkPolicy")]
     start_operator()

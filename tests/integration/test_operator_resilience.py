@@ -17,7 +17,7 @@ from operator_helpers import (
     replicas,
     service,
 )
-from splitserve_operator.k8s import DEPLOYMENT, INFERENCE_SERVICE
+from splitserve_operator.control.k8s import DEPLOYMENT, INFERENCE_SERVICE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

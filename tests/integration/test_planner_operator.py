@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 from prom_fixture import PrometheusServer, free_port, prometheus  # noqa: F401
-from splitserve_operator.autoscale import AutoscaleConfig
-from splitserve_operator.k8s import DEPLOYMENT, INFERENCE_SERVICE
+from splitserve_operator.control.autoscaling.config import AutoscaleConfig
+from splitserve_operator.control.k8s import DEPLOYMENT, INFERENCE_SERVICE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

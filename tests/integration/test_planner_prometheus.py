@@ -23,10 +23,11 @@ import pytest
 from prom_fixture import PrometheusServer, ScrapeTarget, free_port, prometheus  # noqa: F401
 from prom_stack import LiveStack, Load
 from splitserve.metric_names import exported_series_names
-from splitserve_operator.autoscale import AutoscaleConfig
-from splitserve_operator.dashboards import build_all, expressions
-from splitserve_operator.k8s import DEPLOYMENT, INFERENCE_SERVICE, KubeClient
-from splitserve_operator.planner import PlannerConfig
+from splitserve_operator.control.autoscaling.config import AutoscaleConfig
+from splitserve_operator.control.k8s import DEPLOYMENT, INFERENCE_SERVICE, KubeClient
+from splitserve_operator.dashboards.export import build_all
+from splitserve_operator.dashboards.grafana import expressions
+from splitserve_operator.planner.config import PlannerConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def advise(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "splitserve_worker.cli", "advise", *args],
+        [sys.executable, "-m", "splitserve.cli", "advise", *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -81,7 +81,7 @@ def test_errors_are_one_clear_line() -> None:
 def test_advise_never_imports_torch() -> None:
     code = (
         "import sys\n"
-        "from splitserve_worker.commands import advise\n"
+        "from splitserve_operator.commands import advise\n"
         "import argparse\n"
         "p = argparse.ArgumentParser(); advise.add_arguments(p)\n"
         "a = p.parse_args(['--model', 'smollm2-135m', '--gpu', 'l40s', '--link', 'pcie4',"

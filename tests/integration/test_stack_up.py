@@ -42,7 +42,7 @@ def up(model: Path, *extra: str) -> subprocess.Popen[str]:
         [
             sys.executable,
             "-m",
-            "splitserve_worker.cli",
+            "splitserve.cli",
             "up",
             "--model",
             str(model),

@@ -333,7 +333,7 @@ def start_stack(
         )
         cfg_file = workdir / "router.json"
         cfg_file.write_text(json.dumps(router_config or ROUTER_CONFIG))
-        cmd = [sys.executable, "-m", "splitserve_worker.cli", "router", "--model", str(model),
+        cmd = [sys.executable, "-m", "splitserve.cli", "router", "--model", str(model),
                "--workers", spec, "--token-file", str(procs.token_file), "--config",
                str(cfg_file), "--host", "127.0.0.1", "--port", str(port := free_port()),
                "--log-level", router_log_level]  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitserve_operator.k8s import DEPLOYMENT, INFERENCE_SERVICE, KINDS
+from splitserve_operator.control.k8s import DEPLOYMENT, INFERENCE_SERVICE, KINDS
 
 SERVICE = KINDS[("v1", "Service")]
 CONFIGMAP = KINDS[("v1", "ConfigMap")]

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 import pytest
-from splitserve_operator.prometheus import parse_scalar
+from splitserve_operator.control.prometheus import parse_scalar
 
 SCRAPE_INTERVAL = "1s"
 MISSING = (

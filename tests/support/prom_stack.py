@@ -77,7 +77,7 @@ class LiveStack:
         return f"http://127.0.0.1:{self.router_port}"
 
     def _cli(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "splitserve_worker.cli", *args]
+        return [sys.executable, "-m", "splitserve.cli", *args]
 
     def start(self, timeout_s: float = 300.0) -> LiveStack:
         token = self.workdir / "token"

@@ -6,8 +6,11 @@ import copy
 import json
 from typing import Any
 
-from splitserve_operator.render import RenderInputs, ServiceRef, plan_replicas, render
-from splitserve_operator.spec import Pool, parse_spec
+from splitserve_operator.api.parse import parse_spec
+from splitserve_operator.api.values import Pool
+from splitserve_operator.render.manifests import RenderInputs, render
+from splitserve_operator.render.names import ServiceRef
+from splitserve_operator.render.replicas import plan_replicas
 
 K8S_VERSION = "1.32"
 REF = ServiceRef(name="demo", namespace="team-a", uid="0000-uid")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import subprocess
 
+import helm_chart as chart
 import kubernetes_validate
 import pytest
-from splitserve_operator import chart
 from splitserve_operator.render.security import restricted_violations
 
 pytestmark = pytest.mark.unit

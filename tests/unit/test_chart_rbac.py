@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
+import helm_chart as chart
 import pytest
-from splitserve_operator import chart
 
 pytestmark = pytest.mark.unit
 

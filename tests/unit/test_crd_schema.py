@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import yaml
-from splitserve_operator.crd_validation import CRD_PATH, load_crd, problems, schema_of
-from splitserve_operator.spec import SpecError, parse_spec
+from crd_validation import CRD_PATH, load_crd, problems, schema_of
+from splitserve_operator.api.parse import SpecError, parse_spec
 
 pytestmark = pytest.mark.unit
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
+import subprocess
+import sys
 
+import helm_chart as chart
 import pytest
 from splitserve.metric_names import exported_series_names
-from splitserve_operator import chart
-from splitserve_operator.dashboards import build_all, dump, expressions
+from splitserve_operator.dashboards.export import build_all, dump
+from splitserve_operator.dashboards.grafana import expressions
 
 pytestmark = pytest.mark.unit
 
@@ -132,4 +134,12 @@ def test_sidecar_label_and_namespace_are_configurable() -> None:
 def test_builder_module_writes_where_the_chart_reads() -> None:
     from splitserve_operator.dashboards.__main__ import DEFAULT_OUT
 
-    assert Path(DEFAULT_OUT) == DASHBOARDS
+    assert chart.ROOT / DEFAULT_OUT == DASHBOARDS
+    done = subprocess.run(
+        [sys.executable, "-m", "splitserve_operator.dashboards", "--check"],
+        cwd=chart.ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

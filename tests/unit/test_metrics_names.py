@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from splitserve import metric_names as names
-from splitserve_worker.metrics.registry import Metrics
-from splitserve_worker.metrics.server import start_metrics_server
+from splitserve.metric_registry import Metrics
+from splitserve.metric_server import start_metrics_server
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,5 @@
-"""The two ways to start the operator take the same flags; render stays pure."""
+"""The two ways to start the operator (``python -m splitserve_operator`` and
+``splitserve operator``) take the same flags; render stays pure."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from splitserve_operator.cli import add_arguments, config_from
+from splitserve_operator.commands.operator import add_arguments, config_from
 
 pytestmark = pytest.mark.unit
 
@@ -45,7 +46,7 @@ def test_flags_become_the_config() -> None:
 
 
 def test_splitserve_operator_subcommand_has_the_same_flags() -> None:
-    from splitserve_worker.cli import build_parser
+    from splitserve.cli import build_parser
 
     args = build_parser().parse_args(["operator", "--workers", "2", "-n", "x"])
     assert args.command == "operator"
@@ -54,8 +55,9 @@ def test_splitserve_operator_subcommand_has_the_same_flags() -> None:
 
 def test_render_spec_and_status_import_neither_kopf_nor_the_client() -> None:
     code = (
-        "import sys; import splitserve_operator.render, splitserve_operator.spec, "
-        "splitserve_operator.status, splitserve_operator.merge; "
+        "import sys; import splitserve_operator.render.manifests, "
+        "splitserve_operator.api.parse, splitserve_operator.api.status, "
+        "splitserve_operator.control.merge; "
         "bad = [m for m in ('kopf', 'kubernetes', 'grpc') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

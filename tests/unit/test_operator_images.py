@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -97,11 +99,59 @@ def test_the_context_leaves_out_what_images_do_not_need() -> None:
     for path in (".venv", ".git", "tests/unit", "operator/splitserve_operator/__pycache__"):
         assert ignored(path), path
     for path in (
-        "operator/splitserve_operator/spec.py",
-        "worker/splitserve_worker/cli.py",
+        "operator/splitserve_operator/api/parse.py",
+        "worker/splitserve_worker/models.py",
+        "proto/splitserve/cli.py",
         "pyproject.toml",
     ):
         assert not ignored(path), path
+
+
+def copied(name: str) -> list[str]:
+    """The build-context paths a Dockerfile copies (not those from other stages)."""
+    return [
+        source.rstrip("/")
+        for word, rest in instructions(name)
+        if word == "COPY" and not rest.startswith("--from")
+        for source in rest.split()[:-1]
+    ]
+
+
+def test_the_operator_image_copies_no_worker_code() -> None:
+    sources = copied("Dockerfile.operator")
+    assert sorted(sources) == ["README.md", "operator", "proto", "pyproject.toml"]
+    installs = [rest for word, rest in instructions("Dockerfile.operator") if word == "RUN"]
+    assert any('install ".[operator]"' in rest for rest in installs)
+    assert not any("[worker" in rest for rest in installs)
+
+
+@pytest.mark.slow
+def test_what_the_operator_image_copies_builds_a_package_without_the_worker(
+    tmp_path: Path,
+) -> None:
+    """The wheel ``pip install`` builds from exactly what Dockerfile.operator copies:
+    the contract and the operator, the ``splitserve`` command, no worker module."""
+    context = tmp_path / "context"
+    context.mkdir()
+    for source in copied("Dockerfile.operator"):
+        src = ROOT / source
+        if src.is_dir():
+            shutil.copytree(src, context / source, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(src, context / source)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path / "dist"), str(context)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    (wheel,) = (tmp_path / "dist").glob("splitserve-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        entry_points = next(zf.read(n).decode() for n in names if n.endswith("entry_points.txt"))
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"splitserve", "splitserve_operator"}
+    assert "splitserve_operator/control/runtime.py" in names
+    assert "splitserve = splitserve.cli:main" in entry_points
 
 
 def test_the_operator_entry_point_runs() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from splitserve_operator.merge import (
+from splitserve_operator.control.merge import (
     apply_patch,
     last_applied,
     matches,

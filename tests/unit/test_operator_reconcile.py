@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
-from splitserve_operator.k8s import (
+from splitserve_operator.control.k8s import (
     AlreadyExists,
     ApiError,
     Forbidden,
@@ -19,7 +19,9 @@ from splitserve_operator.k8s import (
     NotFound,
     kind_of,
 )
-from splitserve_operator.reconcile import Action, Reconciler, RetryLater, Serializer
+from splitserve_operator.control.outcome import Action, RetryLater
+from splitserve_operator.control.reconciler import Reconciler
+from splitserve_operator.control.serializer import Serializer
 
 pytestmark = pytest.mark.unit
 
@@ -69,7 +71,7 @@ class FakeCluster:
         subresource: str | None = None,
         content_type: str = "",
     ) -> dict[str, Any]:
-        from splitserve_operator.emulator import merge_patch
+        from kube_emulator import merge_patch
 
         self._check("patch" if subresource is None else f"patch/{subresource}", kind.kind, name)
         key = (kind.kind, namespace, name)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from crd_validation import load_crd, schema_of
 from render_helpers import BASE, arg, config, container, env, existing_only, objects, pod
 from render_settings import (
     ENGINE_SETTINGS,
@@ -17,12 +18,12 @@ from render_settings import (
     router_section,
     router_setting,
 )
-from splitserve_operator.crd_validation import load_crd, schema_of
-from splitserve_operator.render import plan_replicas
+from splitserve_operator.api.parse import parse_spec
+from splitserve_operator.api.values import Pool
 from splitserve_operator.render.commands import (
     WORKER_METRICS_PORT,
 )
-from splitserve_operator.spec import Pool, parse_spec
+from splitserve_operator.render.replicas import plan_replicas
 
 pytestmark = pytest.mark.unit
 
@@ -194,7 +195,7 @@ def _kv_checksums() -> None:
 
 
 def _kv_streams() -> None:
-    from splitserve_operator.spec_values import MAX_KV_STREAMS
+    from splitserve_operator.api.values import MAX_KV_STREAMS
     from splitserve_worker.kv.transport import MAX_STREAMS
 
     assert MAX_KV_STREAMS == MAX_STREAMS

@@ -9,7 +9,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 from render_helpers import BASE, K8S_VERSION, REF, arg, container, env, objects, pod
-from splitserve_operator.render import Desired, RenderInputs, render
+from splitserve_operator.api.parse import parse_spec
+from splitserve_operator.api.values import Pool
 from splitserve_operator.render.commands import (
     ROUTER_HTTP_PORT,
     TOKEN_FILE,
@@ -17,8 +18,8 @@ from splitserve_operator.render.commands import (
     WORKER_KV_PORT,
     WORKER_METRICS_PORT,
 )
+from splitserve_operator.render.manifests import Desired, RenderInputs, render
 from splitserve_operator.render.security import restricted_violations
-from splitserve_operator.spec import Pool, parse_spec
 
 pytestmark = pytest.mark.unit
 
@@ -195,7 +196,7 @@ def test_worker_pods_carry_the_role_label_the_router_discovers_them_by() -> None
 
 def test_the_worker_and_router_commands_accept_the_rendered_arguments() -> None:
     """The one place to align with the worker package: its own parsers read our args."""
-    from splitserve_worker.cli import build_parser
+    from splitserve.cli import build_parser
 
     parser = build_parser()
     objs = objects({"kvTransfer": {"backend": "nixl", "leaseSeconds": 12}})
@@ -287,7 +288,7 @@ def test_render_is_deterministic() -> None:
 
 
 def test_render_deployment_is_the_same_deployment_render_makes() -> None:
-    from splitserve_operator.render import render_deployment
+    from splitserve_operator.render.manifests import render_deployment
 
     spec = parse_spec(FULL, name="demo")
     inputs = RenderInputs(replicas={Pool.PREFILL: 2, Pool.DECODE: 3, Pool.ROUTER: 1}, token="t")

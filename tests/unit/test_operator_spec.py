@@ -5,15 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from splitserve_operator.spec import (
-    Dtype,
-    KvBackend,
-    Pool,
-    ServiceType,
-    SpecError,
-    check_name,
-    parse_spec,
-)
+from splitserve_operator.api.parse import SpecError, check_name, parse_spec
+from splitserve_operator.api.values import Dtype, KvBackend, Pool, ServiceType
 
 pytestmark = pytest.mark.unit
 
@@ -162,9 +155,12 @@ def test_names_must_fit_in_service_names() -> None:
 def test_engine_settings_defaults_and_sizes() -> None:
     """A pool's ``engine`` is checked against the worker's own defaults, as the CRD's rule
     is; the KV size is a quantity, at least 1Mi."""
-    from splitserve_operator.crd_validation import load_crd, schema_of
-    from splitserve_operator.spec import quantity_bytes
-    from splitserve_operator.spec_values import ENGINE_MAX_BATCH_TOKENS, ENGINE_MAX_NUM_SEQS
+    from crd_validation import load_crd, schema_of
+    from splitserve_operator.api.values import (
+        ENGINE_MAX_BATCH_TOKENS,
+        ENGINE_MAX_NUM_SEQS,
+        quantity_bytes,
+    )
     from splitserve_worker.engine.config import EngineConfig
     from splitserve_worker.server.config import WorkerConfig
 

@@ -6,8 +6,7 @@ import datetime as dt
 from typing import Any
 
 import pytest
-from splitserve_operator.spec import Pool
-from splitserve_operator.status import (
+from splitserve_operator.api.status import (
     PoolObservation,
     Problem,
     Reason,
@@ -15,6 +14,7 @@ from splitserve_operator.status import (
     invalid_status,
     status_patch,
 )
+from splitserve_operator.api.values import Pool
 
 pytestmark = pytest.mark.unit
 

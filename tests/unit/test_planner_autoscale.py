@@ -9,15 +9,13 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
-from splitserve_operator.autoscale import (
-    CONDITION,
-    AutoscaleConfig,
-    Autoscaler,
-    OperatorMetrics,
-)
-from splitserve_operator.planner import Observation
-from splitserve_operator.prometheus import MetricsUnavailable, Target
-from splitserve_operator.status import compute_status
+from splitserve_operator.api.status import compute_status
+from splitserve_operator.control.autoscaling.config import AutoscaleConfig
+from splitserve_operator.control.autoscaling.loop import Autoscaler
+from splitserve_operator.control.autoscaling.metrics import OperatorMetrics
+from splitserve_operator.control.autoscaling.status import CONDITION
+from splitserve_operator.control.prometheus import MetricsUnavailable, Target
+from splitserve_operator.planner.model import Observation
 
 pytestmark = pytest.mark.unit
 
@@ -41,6 +39,9 @@ class FakeCluster:
 
     def get(self, kind: Any, namespace: str, name: str) -> dict[str, Any] | None:
         return self.deployments.get(name)
+
+    def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        raise AssertionError("the autoscaling loop creates nothing")
 
     def patch(
         self,

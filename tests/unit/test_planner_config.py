@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from splitserve_operator.planner import Bounds, PlannerConfig, PlannerConfigError
+from splitserve_operator.planner.config import PlannerConfig, PlannerConfigError
+from splitserve_operator.planner.model import Bounds
 
 pytestmark = pytest.mark.unit
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-from splitserve_operator.planner import (
+from splitserve_operator.planner.config import PlannerConfig
+from splitserve_operator.planner.core import plan
+from splitserve_operator.planner.model import (
     Bounds,
     Direction,
     Observation,
-    PlannerConfig,
     PlannerState,
     Pool,
     PoolMemory,
@@ -25,7 +26,6 @@ from splitserve_operator.planner import (
     Reason,
     Slo,
     Tick,
-    plan,
 )
 
 pytestmark = pytest.mark.unit

@@ -6,8 +6,9 @@ import math
 from dataclasses import replace
 
 import pytest
-from splitserve_operator.planner import Observation, PlannerConfig, PoolMemory, Slo
+from splitserve_operator.planner.config import PlannerConfig
 from splitserve_operator.planner.core import _learn_output_ratio, learn_capacity
+from splitserve_operator.planner.model import Observation, PoolMemory, Slo
 from splitserve_operator.planner.signals import (
     Missing,
     PoolSignals,

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 from splitserve.metric_names import exported_series_names
-from splitserve_operator.prometheus import (
+from splitserve_operator.control.prometheus import (
     MetricsUnavailable,
     PrometheusSource,
     Target,

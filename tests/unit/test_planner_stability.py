@@ -10,16 +10,16 @@ import pytest
 from bench_modules import load_bench
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from splitserve_operator.planner import (
+from splitserve_operator.planner.config import PlannerConfig
+from splitserve_operator.planner.core import plan
+from splitserve_operator.planner.model import (
     Bounds,
     Direction,
     Observation,
-    PlannerConfig,
     PlannerState,
     PoolStatus,
     Slo,
     Tick,
-    plan,
 )
 
 SLO = Slo(ttft_s=1.0, tpot_s=0.05)

@@ -13,9 +13,9 @@ from typing import Any
 
 import grpc
 import pytest
+from splitserve.metric_registry import Metrics
 from splitserve.roles import Role
 from splitserve.v1 import worker_pb2 as pb
-from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.router.config import QueueConfig, RouterConfig, TimeoutConfig
 from splitserve_worker.router.discovery import WorkerEndpoint
 from splitserve_worker.router.dispatch import Dispatcher, GenRequest

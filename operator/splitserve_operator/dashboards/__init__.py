@@ -1,23 +1,7 @@
-"""Grafana dashboards as code: ``python -m splitserve_operator.dashboards`` writes
-them into the chart (``charts/splitserve/dashboards/*.json``); ``--check`` fails
-when the committed files differ from what the builder produces."""
+"""Grafana dashboards as code: ``python -m splitserve_operator.dashboards`` writes them
+into the chart (``charts/splitserve/dashboards/*.json``); ``--check`` fails when the
+committed files differ from what the builder produces (:mod:`.export`). Panels come
+from the contract's metric names (:mod:`splitserve.metric_names`).
 
-from __future__ import annotations
-
-import json
-from typing import Any
-
-from splitserve_operator.dashboards.content import DASHBOARDS
-from splitserve_operator.dashboards.grafana import expressions, render
-
-__all__ = ["DASHBOARDS", "build_all", "dump", "expressions"]
-
-
-def build_all() -> dict[str, dict[str, Any]]:
-    """File name -> rendered dashboard JSON model."""
-    return {name: render(build()) for name, build in DASHBOARDS.items()}
-
-
-def dump(model: dict[str, Any]) -> str:
-    """The exact text committed for a dashboard (stable key order, trailing newline)."""
-    return json.dumps(model, indent=2, sort_keys=True) + "\n"
+Pure: may import :mod:`splitserve_operator.api` and the contract package only.
+"""

@@ -1,4 +1,4 @@
-"""Write or check the chart's dashboards."""
+"""Write or check the chart's dashboards (run from the repository root, or give ``--out``)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from splitserve_operator.dashboards import build_all, dump
+from splitserve_operator.dashboards.export import build_all, dump
 
-DEFAULT_OUT = Path(__file__).resolve().parents[3] / "charts" / "splitserve" / "dashboards"
+DEFAULT_OUT = Path("charts") / "splitserve" / "dashboards"
+"""The chart's dashboards folder, relative to the repository root (run it from there)."""
 
 
 def main(argv: list[str] | None = None) -> int:

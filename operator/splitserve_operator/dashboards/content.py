@@ -3,7 +3,7 @@ planner in :mod:`.internals`; :data:`DASHBOARDS` lists all four.
 
 Every query is built from the metric names in :mod:`splitserve.metric_names`
 and the same series selector the planner uses
-(:data:`splitserve_operator.prometheus.DEFAULT_SELECTOR`), so a dashboard shows
+(:data:`splitserve_operator.api.series.DEFAULT_SELECTOR`), so a dashboard shows
 what the planner sees. A test runs each query against a live Prometheus fed by
 real workers.
 """

@@ -6,8 +6,8 @@ from __future__ import annotations
 import splitserve.metric_names as n
 from prometheus_client.utils import floatToGoString
 
+from splitserve_operator.api.series import DEFAULT_SELECTOR
 from splitserve_operator.dashboards.grafana import Target, Variable
-from splitserve_operator.prometheus import DEFAULT_SELECTOR
 
 RATE = "$__rate_interval"
 WORKERS = DEFAULT_SELECTOR.format(namespace="$namespace", name="$service")

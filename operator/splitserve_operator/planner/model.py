@@ -7,6 +7,11 @@ from enum import StrEnum
 
 
 class Pool(StrEnum):
+    """A pool the planner sizes: prefill or decode. Not the spec's
+    :class:`~splitserve_operator.api.values.Pool`, which also names the router (a pool the
+    planner never scales); the values are the same strings, so
+    ``api.values.Pool(pool.value)`` is the spec's pool of a planner pool."""
+
     PREFILL = "prefill"
     DECODE = "decode"
 
@@ -50,6 +55,10 @@ class Reason(StrEnum):
 
 @dataclass(frozen=True)
 class Slo:
+    """The objectives one tick plans for, resolved to numbers. Not the spec's
+    :class:`~splitserve_operator.api.models.SloSpec`, the wire form whose fields may be
+    left out; the autoscaling loop turns one into the other."""
+
     ttft_s: float
     """Time to first token objective (s) at ``percentile``."""
     tpot_s: float

@@ -1,19 +1,8 @@
-"""Pure rendering: an InferenceService spec in, the desired Kubernetes objects out.
+"""Pure rendering: an InferenceService spec in, the desired Kubernetes objects out
+(:mod:`.manifests`; names and labels in :mod:`.names`, replica counts in
+:mod:`.replicas`, the worker and router command lines in :mod:`.commands`).
 
-No kopf, no Kubernetes client, no gRPC here (``.importlinter`` enforces it), so
-every field's effect is testable with plain dicts.
+No kopf, no Kubernetes client, no gRPC here (``.importlinter`` enforces it), so every
+field's effect is testable with plain dicts. May import :mod:`splitserve_operator.api`
+and the contract package only.
 """
-
-from splitserve_operator.render.manifests import Desired, RenderInputs, render, render_deployment
-from splitserve_operator.render.names import ServiceRef
-from splitserve_operator.render.replicas import owns_desired_replicas, plan_replicas
-
-__all__ = [
-    "Desired",
-    "RenderInputs",
-    "ServiceRef",
-    "owns_desired_replicas",
-    "plan_replicas",
-    "render",
-    "render_deployment",
-]

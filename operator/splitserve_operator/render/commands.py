@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitserve_operator.spec import InferenceServiceSpec, Pool, quantity_bytes
+from splitserve_operator.api.models import InferenceServiceSpec
+from splitserve_operator.api.values import Pool, quantity_bytes
 
 EXECUTABLE = "splitserve"
 """The console script the worker image puts on PATH."""

@@ -6,9 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve_operator.api.models import InferenceServiceSpec
+from splitserve_operator.api.values import Pool
 from splitserve_operator.render import support, workloads
 from splitserve_operator.render.names import ServiceRef
-from splitserve_operator.spec import InferenceServiceSpec, Pool
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class RenderInputs:
     """What render needs besides the spec; chosen by the caller so render stays pure."""
 
     replicas: Mapping[Pool, int]
-    """Per pool, from :func:`splitserve_operator.render.plan_replicas`."""
+    """Per pool, from :func:`splitserve_operator.render.replicas.plan_replicas`."""
     token: str
     """A fresh random token; used only if the Secret does not exist yet."""
     router_cluster_role: str = "splitserve-router"

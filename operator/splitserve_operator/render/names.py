@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve_operator.spec import GROUP, Pool
+from splitserve_operator.api.values import GROUP, Pool
 
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"

@@ -11,7 +11,8 @@ decided it keeps what the live Deployment has, or starts from
 
 from __future__ import annotations
 
-from splitserve_operator.spec import SCALED_POOLS, InferenceServiceSpec, Pool
+from splitserve_operator.api.models import InferenceServiceSpec
+from splitserve_operator.api.values import SCALED_POOLS, Pool
 
 
 def plan_replicas(

@@ -6,13 +6,14 @@ import hashlib
 import json
 from typing import Any
 
+from splitserve_operator.api.models import InferenceServiceSpec
+from splitserve_operator.api.values import WORKER_POOLS, Pool
 from splitserve_operator.render import commands
 from splitserve_operator.render.names import (
     LABEL_COMPONENT,
     LABEL_INSTANCE,
     ServiceRef,
 )
-from splitserve_operator.spec import WORKER_POOLS, InferenceServiceSpec, Pool
 
 
 def config_document(ref: ServiceRef, spec: InferenceServiceSpec) -> dict[str, Any]:

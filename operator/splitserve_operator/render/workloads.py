@@ -4,15 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from splitserve_operator.api.models import InferenceServiceSpec, PoolSpec
+from splitserve_operator.api.values import GPU_RESOURCE, MODEL_MOUNT, Pool
 from splitserve_operator.render import commands, security
 from splitserve_operator.render.names import ANNOTATION_CONFIG_HASH, LABEL_INSTANCE, ServiceRef
-from splitserve_operator.spec import (
-    GPU_RESOURCE,
-    MODEL_MOUNT,
-    InferenceServiceSpec,
-    Pool,
-    PoolSpec,
-)
 
 TOKEN_FILE_MODE = 0o440
 """Owner and group (fsGroup) may read the token; nobody else."""

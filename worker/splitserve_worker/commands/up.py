@@ -88,7 +88,7 @@ class WorkerProcs(AbstractContextManager["WorkerProcs"]):
 
     def command(self, role: Role) -> list[str]:
         return [
-            sys.executable, "-m", "splitserve_worker.cli", "worker",
+            sys.executable, "-m", "splitserve.cli", "worker",
             "--role", role.value, "--model", self.model, "--host", "127.0.0.1", "--port", "0",
             "--token-file", str(self.token_file), "--threads", str(self.threads),
             "--kv-backend", self.kv_backend, "--parent-pid", str(os.getpid()),

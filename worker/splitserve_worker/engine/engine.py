@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from splitserve.metric_registry import Metrics
 
 from splitserve_worker.engine import identity, layerwise, remote_kv
 from splitserve_worker.engine.config import EngineConfig
@@ -38,7 +39,6 @@ from splitserve_worker.engine.sequence import (
     Sequence,
 )
 from splitserve_worker.engine.stopping import StopChecker
-from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.models import LoadedModel, torch_dtype
 
 FORWARD_ERRORS = (RuntimeError, ValueError, IndexError)

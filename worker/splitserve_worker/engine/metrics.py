@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from splitserve import metric_names as names
-
-from splitserve_worker.metrics.registry import Metrics
+from splitserve.metric_registry import Metrics
 
 
 class EngineMetrics:

@@ -38,9 +38,9 @@ from splitserve.metric_names import (
     PREFILL_QUEUE,
     ROUTER_RETRIES,
 )
+from splitserve.metric_registry import Metrics
 from splitserve.roles import DECODE_ROLES, PREFILL_ROLES
 
-from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.router.config import RouterConfig
 from splitserve_worker.router.failures import (
     LOST_CODES,

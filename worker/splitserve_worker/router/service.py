@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
+from splitserve.metric_registry import Metrics
 
-from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.router.config import RouterConfig
 from splitserve_worker.router.discovery import Discovery, WorkerEndpoint
 from splitserve_worker.router.dispatch import Dispatcher

@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
+from splitserve.metric_registry import Metrics
 
 from splitserve_worker.kv.compat import Compat
 from splitserve_worker.kv.layout import PoolView
@@ -19,7 +20,6 @@ from splitserve_worker.kv.transport import (
     ReceiverBackend,
     create_receiver_backend,
 )
-from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.server.auth import TokenAuthInterceptor
 from splitserve_worker.server.config import WorkerConfig
 from splitserve_worker.server.events import EventHub
@@ -145,7 +145,7 @@ async def start_worker(config: WorkerConfig, *, loaded: Any = None) -> RunningWo
         tasks.append(asyncio.create_task(handoff.reap_forever(), name="lease-reaper"))
     metrics_port = None
     if config.metrics_port is not None:
-        from splitserve_worker.metrics.server import start_metrics_server
+        from splitserve.metric_server import start_metrics_server
 
         ms = start_metrics_server(config.metrics_port, metrics.registry, host=config.host)
         metrics_port = ms.port

@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 from splitserve import metric_names as names
+from splitserve.metric_registry import Metrics
 from splitserve.v1 import worker_pb2 as pb
 from splitserve.v1 import worker_pb2_grpc
 
@@ -29,7 +30,6 @@ from splitserve_worker.kv.transport import (
     TransferError,
     create_sender_backend,
 )
-from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.server.convert import (
     compat_from_proto,
     prompt_logprobs_to_proto,

@@ -1,0 +1,277 @@
+"""The InferenceService's status, the Kubernetes way. Pure: observations in, status out.
+
+- ``observedGeneration``: the spec generation this status describes.
+- ``conditions``: ``Ready``, ``Progressing``, ``Degraded``, each with a reason,
+  a message and a ``lastTransitionTime`` that moves only when the status flips.
+- ``pools.<pool>``: ``replicas`` (the Deployment's ``spec.replicas``),
+  ``readyReplicas``, ``updatedReplicas`` and ``desiredReplicas`` (the target;
+  the planner's field while autoscaling is on, see ``render/replicas.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from splitserve_operator.api.fields import as_map, count, timestamp
+from splitserve_operator.api.values import Pool
+
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+OWN_CONDITIONS = (READY, PROGRESSING, DEGRADED)
+"""The condition types the reconciler writes; others (the planner's ``ScalingActive``)
+are carried over untouched, since a merge patch replaces the whole list."""
+
+
+def _others(previous: Sequence[Any]) -> list[dict[str, Any]]:
+    return [
+        dict(c) for c in previous if isinstance(c, Mapping) and c.get("type") not in OWN_CONDITIONS
+    ]
+
+
+class Reason(StrEnum):
+    ALL_POOLS_READY = "AllPoolsReady"
+    POOLS_NOT_READY = "PoolsNotReady"
+    ROLLING_OUT = "RollingOut"
+    ROLLOUT_COMPLETE = "RolloutComplete"
+    ROLLOUT_STALLED = "RolloutStalled"
+    AS_EXPECTED = "AsExpected"
+    INVALID_SPEC = "InvalidSpec"
+    APPLY_FAILED = "ApplyFailed"
+    NAME_CONFLICT = "NameConflict"
+    FORBIDDEN = "Forbidden"
+
+
+@dataclass(frozen=True)
+class PoolObservation:
+    """What one pool's Deployment says about itself."""
+
+    replicas: int
+    """``spec.replicas`` as applied."""
+    ready: int = 0
+    updated: int = 0
+    available: int = 0
+    total: int = 0
+    """``status.replicas``: pods of any revision."""
+    rolled_out: bool = False
+    """The Deployment controller has seen the latest spec and every pod is current."""
+    stalled: str | None = None
+    """The Deployment's ``ProgressDeadlineExceeded`` message, if any."""
+
+    @classmethod
+    def from_deployment(cls, deployment: Mapping[str, Any] | None) -> PoolObservation | None:
+        if not deployment:
+            return None
+        spec = deployment.get("spec") or {}
+        status = deployment.get("status") or {}
+        meta = deployment.get("metadata") or {}
+        replicas = count(spec.get("replicas"), 1)
+        ready = count(status.get("readyReplicas"))
+        updated = count(status.get("updatedReplicas"))
+        total = count(status.get("replicas"))
+        observed = count(status.get("observedGeneration"))
+        generation = count(meta.get("generation"))
+        stalled = None
+        for cond in status.get("conditions") or []:
+            if (
+                isinstance(cond, Mapping)
+                and cond.get("type") == "Progressing"
+                and cond.get("reason") == "ProgressDeadlineExceeded"
+            ):
+                stalled = str(cond.get("message") or "progress deadline exceeded")
+        rolled_out = (
+            observed >= generation
+            and updated >= replicas
+            and ready >= replicas
+            and total <= replicas
+        )
+        return cls(
+            replicas=replicas,
+            ready=ready,
+            updated=updated,
+            available=count(status.get("availableReplicas")),
+            total=total,
+            rolled_out=rolled_out,
+            stalled=stalled,
+        )
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why the operator could not do its job; becomes ``Degraded=True``."""
+
+    reason: Reason
+    message: str
+
+
+def condition(
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    *,
+    generation: int,
+    now: datetime,
+    previous: Sequence[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
+    value = "True" if status else "False"
+    since = timestamp(now)
+    for old in previous:
+        if isinstance(old, Mapping) and old.get("type") == type_ and old.get("status") == value:
+            since = str(old.get("lastTransitionTime") or since)
+    return {
+        "type": type_,
+        "status": value,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+        "observedGeneration": generation,
+    }
+
+
+def _pool_text(pool: Pool, obs: PoolObservation | None) -> str:
+    if obs is None:
+        return f"{pool.value}: no Deployment"
+    return f"{pool.value}: {obs.ready}/{obs.replicas} ready"
+
+
+def compute_status(
+    *,
+    generation: int,
+    pools: Mapping[Pool, PoolObservation | None],
+    desired: Mapping[Pool, int],
+    problems: Sequence[Problem],
+    previous: Mapping[str, Any] | None,
+    now: datetime,
+) -> dict[str, Any]:
+    """The full status for a reconcile that got as far as observing the pools.
+
+    ``desired``: the ``desiredReplicas`` to write per pool; pools missing from it
+    keep the value they have (the planner's, while autoscaling is on).
+    """
+    previous = as_map(previous)
+    old_conditions = previous.get("conditions")
+    old_conditions = old_conditions if isinstance(old_conditions, list) else []
+    observed = {pool: obs for pool, obs in pools.items() if obs is not None}
+    summary = "; ".join(_pool_text(pool, pools.get(pool)) for pool in Pool)
+
+    serving = (
+        len(observed) == len(Pool)
+        and all(obs.ready >= obs.replicas for obs in observed.values())
+        and observed[Pool.ROUTER].ready >= 1
+        and observed[Pool.DECODE].ready >= 1
+    )
+    rolled_out = len(observed) == len(Pool) and all(o.rolled_out for o in observed.values())
+    stalled = [f"{p.value}: {o.stalled}" for p, o in observed.items() if o.stalled]
+
+    if problems:
+        degraded = (True, problems[0].reason.value, " ".join(p.message for p in problems))
+    elif stalled:
+        degraded = (True, Reason.ROLLOUT_STALLED.value, "; ".join(stalled))
+    else:
+        degraded = (False, Reason.AS_EXPECTED.value, "all objects are as the spec asks")
+
+    if rolled_out:
+        progressing = (False, Reason.ROLLOUT_COMPLETE.value, summary)
+    else:
+        progressing = (True, Reason.ROLLING_OUT.value, summary)
+
+    if serving:
+        ready = (True, Reason.ALL_POOLS_READY.value, summary)
+    else:
+        ready = (False, Reason.POOLS_NOT_READY.value, summary)
+
+    # Conditions of other writers (the planner's ScalingActive) are kept as they are.
+    conditions = [
+        *(
+            condition(t, s, r, m, generation=generation, now=now, previous=old_conditions)
+            for t, (s, r, m) in ((READY, ready), (PROGRESSING, progressing), (DEGRADED, degraded))
+        ),
+        *_others(old_conditions),
+    ]
+    pool_status: dict[str, Any] = {}
+    for pool in Pool:
+        entry: dict[str, Any] = {}
+        obs = pools.get(pool)
+        if obs is not None:
+            entry.update(
+                replicas=obs.replicas, readyReplicas=obs.ready, updatedReplicas=obs.updated
+            )
+        if pool in desired:
+            entry["desiredReplicas"] = desired[pool]
+        pool_status[pool.value] = entry
+    return {"observedGeneration": generation, "conditions": conditions, "pools": pool_status}
+
+
+def invalid_status(
+    *,
+    generation: int,
+    problems: Sequence[str],
+    previous: Mapping[str, Any] | None,
+    now: datetime,
+) -> dict[str, Any]:
+    """Status for a spec that cannot be served: what to fix, nothing else touched."""
+    previous = as_map(previous)
+    old_conditions = previous.get("conditions")
+    old_conditions = old_conditions if isinstance(old_conditions, list) else []
+    message = "fix the spec: " + "; ".join(problems)
+    left = "the spec is invalid; objects from the last valid spec are left as they are"
+    conditions = [
+        condition(
+            READY,
+            False,
+            Reason.INVALID_SPEC.value,
+            left,
+            generation=generation,
+            now=now,
+            previous=old_conditions,
+        ),
+        condition(
+            PROGRESSING,
+            False,
+            Reason.INVALID_SPEC.value,
+            left,
+            generation=generation,
+            now=now,
+            previous=old_conditions,
+        ),
+        condition(
+            DEGRADED,
+            True,
+            Reason.INVALID_SPEC.value,
+            message,
+            generation=generation,
+            now=now,
+            previous=old_conditions,
+        ),
+        *_others(old_conditions),
+    ]
+    return {"observedGeneration": generation, "conditions": conditions}
+
+
+def status_patch(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The merge patch for ``.status`` (None when nothing changed).
+
+    ``conditions`` is replaced whole; ``pools`` entries merge, so fields this
+    status does not set (the planner's ``desiredReplicas``) are kept.
+    """
+    old = as_map(old)
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        if key == "pools" and isinstance(old.get("pools"), Mapping):
+            sub: dict[str, Any] = {}
+            for pool, entry in value.items():
+                have = old["pools"].get(pool)
+                have = as_map(have)
+                changed = {k: v for k, v in entry.items() if have.get(k) != v}
+                if changed:
+                    sub[pool] = changed
+            if sub:
+                patch["pools"] = sub
+        elif old.get(key) != value:
+            patch[key] = value
+    return patch or None

@@ -1,0 +1,111 @@
+"""``splitserve operator``: run the Kubernetes operator (``python -m splitserve_operator``
+takes the same flags; both need the ``operator`` extra)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from splitserve_operator.control.autoscaling.config import AutoscaleConfig
+from splitserve_operator.control.config import OperatorConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    defaults = OperatorConfig()
+    p.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        dest="namespaces",
+        help="serve only this namespace (repeatable); default: the whole cluster",
+    )
+    p.add_argument(
+        "--kubeconfig",
+        default=None,
+        help="kubeconfig file; default: in-cluster service account, else ~/.kube",
+    )
+    p.add_argument("--context", default=None, help="kubeconfig context")
+    p.add_argument(
+        "--router-cluster-role",
+        default=defaults.router_cluster_role,
+        help="ClusterRole bound to each router for worker discovery",
+    )
+    p.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=defaults.resync_seconds,
+        help="seconds between full reconciles (0: never)",
+    )
+    p.add_argument(
+        "--workers", type=int, default=defaults.workers, help="threads running reconciles"
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=defaults.request_timeout,
+        help="seconds per API call",
+    )
+    p.add_argument(
+        "--liveness",
+        default=None,
+        metavar="URL",
+        help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz",
+    )
+    p.add_argument("--no-events", action="store_true", help="do not record Kubernetes Events")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve the planner's /metrics (decisions, desired vs ready) on this port",
+    )
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def config_from(args: argparse.Namespace) -> OperatorConfig:
+    if args.workers < 1:
+        raise SystemExit("--workers must be at least 1")
+    return OperatorConfig(
+        namespaces=tuple(args.namespaces),
+        router_cluster_role=args.router_cluster_role,
+        resync_seconds=args.resync_seconds,
+        workers=args.workers,
+        request_timeout=args.request_timeout,
+        liveness_endpoint=args.liveness,
+        record_events=not args.no_events,
+        autoscale=AutoscaleConfig(metrics_port=args.metrics_port),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here: `--help` must not need a cluster or load the client.
+    from splitserve_operator.control import runtime
+    from splitserve_operator.control.k8s import load_configuration
+
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = config_from(args)
+    configuration = load_configuration(args.kubeconfig, args.context)
+    operator = runtime.build(config, configuration)
+    try:
+        asyncio.run(runtime.serve(operator))
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="splitserve-operator",
+        description="Reconcile InferenceServices into prefill, decode and router Deployments.",
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""The Kubernetes adapter: every API call the operator makes goes through here.
+
+Built on the official ``kubernetes`` client's transport (its configuration,
+TLS, auth and connection pool), with plain dicts in and out: the operator
+works on manifests, and skipping the client's model classes keeps it fast.
+
+Reconcile and the autoscaling loop both reach the API through :class:`Cluster`, the
+part of :class:`KubeClient` they use (unit tests hand them fakes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import logging
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import kubernetes.client
+import kubernetes.config
+from kubernetes.client.exceptions import ApiException
+
+from splitserve_operator.api.fields import timestamp
+from splitserve_operator.render.names import API_VERSION, KIND, MANAGED_BY, PLURAL
+
+log = logging.getLogger(__name__)
+
+MERGE_PATCH = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """Where a kind lives in the API."""
+
+    api_version: str
+    kind: str
+    plural: str
+    namespaced: bool = True
+
+    def path(
+        self, namespace: str | None = None, name: str | None = None, subresource: str | None = None
+    ) -> str:
+        base = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
+        if self.namespaced and namespace:
+            base += f"/namespaces/{namespace}"
+        base += f"/{self.plural}"
+        if name:
+            base += f"/{name}"
+            if subresource:
+                base += f"/{subresource}"
+        return base
+
+
+KINDS: dict[tuple[str, str], Kind] = {
+    (k.api_version, k.kind): k
+    for k in (
+        Kind(API_VERSION, KIND, PLURAL),
+        Kind("apps/v1", "Deployment", "deployments"),
+        Kind("v1", "Service", "services"),
+        Kind("v1", "ConfigMap", "configmaps"),
+        Kind("v1", "Secret", "secrets"),
+        Kind("v1", "ServiceAccount", "serviceaccounts"),
+        Kind("v1", "Event", "events"),
+        Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
+        Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+        Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+    )
+}
+INFERENCE_SERVICE = KINDS[(API_VERSION, KIND)]
+DEPLOYMENT = KINDS[("apps/v1", "Deployment")]
+
+
+def kind_of(manifest: Mapping[str, Any]) -> Kind:
+    key = (str(manifest.get("apiVersion")), str(manifest.get("kind")))
+    try:
+        return KINDS[key]
+    except KeyError:
+        raise ValueError(f"the operator does not manage {key[1]} ({key[0]})") from None
+
+
+class ApiError(Exception):
+    """The API server refused a call (``status`` is its HTTP code; 0: no answer)."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        self.status = status
+        self.reason = reason
+        self.message = message
+        super().__init__(f"{status} {reason}: {message}")
+
+    @property
+    def transient(self) -> bool:
+        """Worth retrying as is: no answer, throttled, a server error, a conflict."""
+        return self.status == 0 or self.status in (409, 429) or self.status >= 500
+
+
+class NotFound(ApiError):
+    pass
+
+
+class AlreadyExists(ApiError):
+    pass
+
+
+class Forbidden(ApiError):
+    pass
+
+
+class Invalid(ApiError):
+    """422: the server rejected the object (bad field values)."""
+
+
+def _error(status: int, body: bytes | str | None) -> ApiError:
+    text = body.decode(errors="replace") if isinstance(body, bytes) else (body or "")
+    reason, message = "", text[:500]
+    try:
+        doc = json.loads(text)
+        if isinstance(doc, dict):
+            reason = str(doc.get("reason") or "")
+            message = str(doc.get("message") or message)[:1000]
+    except json.JSONDecodeError:
+        pass
+    cls: type[ApiError] = ApiError
+    if status == 404:
+        cls = NotFound
+    elif status == 409:
+        cls = AlreadyExists if reason in ("AlreadyExists", "Object Already Exists") else ApiError
+    elif status == 403:
+        cls = Forbidden
+    elif status == 422:
+        cls = Invalid
+    return cls(status, reason, message)
+
+
+class Cluster(Protocol):
+    """What the reconciler and the autoscaling loop need from the API (:class:`KubeClient`;
+    fakes in unit tests)."""
+
+    def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None: ...
+    def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]: ...
+    def patch(
+        self,
+        kind: Kind,
+        namespace: str,
+        name: str,
+        patch: Any,
+        *,
+        subresource: str | None = None,
+        content_type: str = MERGE_PATCH,
+    ) -> dict[str, Any]: ...
+    def event(self, involved: Mapping[str, Any], type_: str, reason: str, message: str) -> None: ...
+
+
+class KubeClient:
+    """A thread-safe, dict-based client over one ``kubernetes.client.ApiClient``."""
+
+    def __init__(
+        self,
+        configuration: kubernetes.client.Configuration,
+        *,
+        timeout: float = 30.0,
+        component: str = MANAGED_BY,
+        user_agent: str = f"{MANAGED_BY}/0.1.0",
+    ) -> None:
+        self.configuration = configuration
+        self.api = kubernetes.client.ApiClient(configuration)
+        self.api.user_agent = user_agent
+        self.timeout = timeout
+        self.component = component
+
+    def close(self) -> None:
+        self.api.close()
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        content_type: str = "application/json",
+        query: list[tuple[str, str]] | None = None,
+    ) -> dict[str, Any]:
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        try:
+            _method, url, headers, body, _post = self.api.param_serialize(
+                method,
+                path,
+                query_params=query or [],
+                header_params=headers,
+                body=body,
+                auth_settings=["BearerToken"],
+            )
+            response = self.api.call_api(
+                method, url, header_params=headers, body=body, _request_timeout=self.timeout
+            )
+            response.read()
+        except ApiException as exc:
+            raise _error(exc.status or 0, exc.body) from exc
+        except OSError as exc:  # connection refused/reset, timeouts (urllib3 errors are OSError)
+            raise ApiError(0, type(exc).__name__, str(exc)) from exc
+        except Exception as exc:
+            # urllib3's MaxRetryError/ProtocolError are not all OSErrors.
+            if type(exc).__module__.startswith("urllib3"):
+                raise ApiError(0, type(exc).__name__, str(exc)) from exc
+            raise
+        if not 200 <= response.status <= 299:
+            raise _error(response.status, response.data)
+        if not response.data:
+            return {}
+        doc = json.loads(response.data)
+        return doc if isinstance(doc, dict) else {}
+
+    def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.request("GET", kind.path(namespace, name))
+        except NotFound:
+            return None
+
+    def list(
+        self, kind: Kind, namespace: str | None = None, label_selector: str | None = None
+    ) -> list[dict[str, Any]]:
+        query = [("labelSelector", label_selector)] if label_selector else []
+        doc = self.request("GET", kind.path(namespace), query=query)
+        return [item for item in doc.get("items") or [] if isinstance(item, dict)]
+
+    def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        kind = kind_of(manifest)
+        namespace = str((manifest.get("metadata") or {}).get("namespace") or "")
+        return self.request("POST", kind.path(namespace), body=dict(manifest))
+
+    def patch(
+        self,
+        kind: Kind,
+        namespace: str,
+        name: str,
+        patch: Any,
+        *,
+        subresource: str | None = None,
+        content_type: str = MERGE_PATCH,
+    ) -> dict[str, Any]:
+        return self.request(
+            "PATCH", kind.path(namespace, name, subresource), body=patch, content_type=content_type
+        )
+
+    def delete(self, kind: Kind, namespace: str, name: str) -> None:
+        with contextlib.suppress(NotFound):
+            self.request("DELETE", kind.path(namespace, name))
+
+    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any]:
+        """Merge-patch an InferenceService's ``.status`` (the status subresource)."""
+        return self.patch(
+            INFERENCE_SERVICE, namespace, name, {"status": status}, subresource="status"
+        )
+
+    def event(self, involved: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+        """Record a core/v1 Event on ``involved`` (best effort: a failure is only logged)."""
+        meta = involved.get("metadata") or {}
+        namespace = str(meta.get("namespace") or "default")
+        now = timestamp(dt.datetime.now(dt.UTC))
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {
+                "name": f"{meta.get('name')}.{secrets.token_hex(8)}",
+                "namespace": namespace,
+            },
+            "involvedObject": {
+                "apiVersion": involved.get("apiVersion"),
+                "kind": involved.get("kind"),
+                "name": meta.get("name"),
+                "namespace": namespace,
+                "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": self.component},
+            "reportingComponent": self.component,
+            "reportingInstance": self.component,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self.create(body)
+        except ApiError as exc:
+            log.warning("could not record event %s on %s: %s", reason, meta.get("name"), exc)
+
+
+def load_configuration(
+    kubeconfig: str | None = None, context: str | None = None
+) -> kubernetes.client.Configuration:
+    """In-cluster service account first, then the kubeconfig file (explicit path or
+    the client's default); never touches the client's global default config."""
+    configuration = kubernetes.client.Configuration()
+    if kubeconfig is None:
+        try:
+            kubernetes.config.load_incluster_config(client_configuration=configuration)
+            return configuration
+        except kubernetes.config.ConfigException:
+            pass
+    kubernetes.config.load_kube_config(
+        config_file=kubeconfig, context=context, client_configuration=configuration
+    )
+    return configuration

@@ -1,0 +1,109 @@
+"""The real operator in a background thread, for tests and the bench: kopf's own
+:class:`kopf.testing.KopfRunner` running ``kopf run`` with the registry and settings
+:func:`splitserve_operator.control.runtime.build` makes.
+
+``with OperatorThread(config, configuration) as op:`` starts it and waits until kopf
+has run its startup handlers; leaving the block stops kopf, waits for its thread and
+closes what the operator holds (resync thread, executor, API client), re-raising
+whatever made the operator fail. A stopped operator stays stopped: start a new one to
+restart.
+
+kopf's command line reconfigures the root logger (``--quiet``: warnings and up) and
+captures the process's stdout and stderr while it runs, so print nothing a caller
+must see from inside the block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from concurrent.futures import Future
+from types import TracebackType
+from typing import Any
+
+import kopf
+import kubernetes.client
+from kopf.testing import KopfRunner
+from splitserve_operator.control.config import OperatorConfig
+from splitserve_operator.control.controller import Controller
+from splitserve_operator.control.runtime import Operator, build
+
+
+def kopf_args(config: OperatorConfig) -> list[str]:
+    """``kopf run`` arguments for ``config`` (what :func:`runtime.serve` passes kopf)."""
+    args = ["run", "--standalone", "--quiet"]
+    if config.clusterwide:
+        args.append("--all-namespaces")
+    for namespace in config.namespaces:
+        args += ["--namespace", namespace]
+    if config.liveness_endpoint:
+        args += ["--liveness", config.liveness_endpoint]
+    return args
+
+
+class OperatorThread:
+    """One operator run by kopf in a thread: ``start()`` then ``stop()``, or ``with``."""
+
+    def __init__(
+        self,
+        config: OperatorConfig,
+        configuration: kubernetes.client.Configuration,
+        *,
+        timeout: float = 30.0,
+    ) -> None:
+        self.operator: Operator = build(config, configuration)
+        self.timeout = timeout
+        self._started = threading.Event()
+        self._stack = contextlib.ExitStack()
+        self._runner = KopfRunner(
+            kopf_args(config),
+            registry=self.operator.registry,
+            settings=self.operator.settings,
+            timeout=timeout,
+        )
+
+        # Registered after the operator's own startup handlers, which kopf runs in
+        # order: when this one runs, those have run (the metrics endpoint is up).
+        @kopf.on.startup(registry=self.operator.registry)
+        def _started(**_: Any) -> None:
+            self._started.set()
+
+    @property
+    def controller(self) -> Controller:
+        return self.operator.controller
+
+    @property
+    def running(self) -> bool:
+        return self._started.is_set() and not self._runner.future.done()
+
+    def start(self, wait: float = 30.0) -> OperatorThread:
+        self.operator.resync.start()
+        self._stack.callback(self.operator.close)
+        self._stack.enter_context(self._runner)
+        self._runner.future.add_done_callback(self._ended)
+        if not self._started.wait(wait):
+            self.stop()
+            raise TimeoutError(f"the operator did not start within {wait} s")
+        if self._runner.future.done():
+            self.stop()  # re-raises why it ended
+            raise RuntimeError("the operator stopped as soon as it started")
+        return self
+
+    def _ended(self, _: Future[Any]) -> None:
+        self._started.set()  # wakes start() when kopf ends before it is ready
+
+    def stop(self) -> None:
+        """Stop kopf, wait for its thread, release the operator's resources; raises what
+        made the operator fail, if anything did. Idempotent."""
+        self._stack.close()
+
+    def __enter__(self) -> OperatorThread:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
