@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 from splitserve_operator.planner.config import PlannerConfig
-from splitserve_operator.planner.core import _learn_output_ratio, learn_capacity
+from splitserve_operator.planner.learning import learn_capacity, learn_output_ratio
 from splitserve_operator.planner.model import Observation, PoolMemory, Slo
 from splitserve_operator.planner.signals import (
     Missing,
@@ -89,13 +89,13 @@ def test_output_per_prompt_token(
 ) -> None:
     obs = Observation(prompt_token_rate=prompt, generation_token_rate=gen, tpot_s=0.01)
     dec = decode_signals(obs, SLO, CFG, prev)
-    assert _learn_output_ratio(prev, obs, dec, CFG) == pytest.approx(want)
+    assert learn_output_ratio(prev, obs, dec, CFG) == pytest.approx(want)
 
 
 def test_output_ratio_not_learned_while_decode_is_saturated() -> None:
     obs = Observation(prompt_token_rate=10000, generation_token_rate=1000, tpot_s=0.2)  # 4x
     dec = decode_signals(obs, SLO, CFG, 0.25)
-    assert _learn_output_ratio(0.25, obs, dec, CFG) == 0.25
+    assert learn_output_ratio(0.25, obs, dec, CFG) == 0.25
 
 
 def test_prefill_signal_arithmetic() -> None:

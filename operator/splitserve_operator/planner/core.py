@@ -33,7 +33,6 @@ from dataclasses import replace
 from splitserve_operator.planner.config import PlannerConfig
 from splitserve_operator.planner.decisions import break_shrink, hold_missing, since
 from splitserve_operator.planner.learning import (
-    MIN_LEARN_RATE,
     is_settled,
     learn_capacity,
     learn_output_ratio,
@@ -49,33 +48,17 @@ from splitserve_operator.planner.model import (
     Tick,
 )
 from splitserve_operator.planner.scale_down import maybe_shrink
-from splitserve_operator.planner.scale_up import UP_PRIORITY, scale_up, up_target
+from splitserve_operator.planner.scale_up import scale_up, up_target
 from splitserve_operator.planner.signals import (
     Missing,
     PoolSignals,
     decode_signals,
     prefill_signals,
 )
-from splitserve_operator.planner.sizing import MAX_NEED, capacity_target, sizing
 
-__all__ = [
-    "DEFAULT_CONFIG",
-    "MAX_NEED",
-    "MIN_LEARN_RATE",
-    "UP_PRIORITY",
-    "capacity_target",
-    "is_settled",
-    "learn_capacity",
-    "learn_output_ratio",
-    "plan",
-    "sizing",
-    "track_settling",
-]
+__all__ = ["DEFAULT_CONFIG", "plan"]
 
 DEFAULT_CONFIG = PlannerConfig()
-
-_learn_output_ratio = learn_output_ratio
-"""The same function under its earlier private name."""
 
 
 def plan(state: PlannerState, tick: Tick, config: PlannerConfig = DEFAULT_CONFIG) -> Plan:
