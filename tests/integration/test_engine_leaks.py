@@ -11,13 +11,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from splitserve import metric_names as names
-from splitserve_worker.engine import (
-    Engine,
-    EngineConfig,
-    NoCapacity,
-    RequestError,
-    SamplingParams,
-)
+from splitserve_worker.engine.config import EngineConfig
+from splitserve_worker.engine.engine import Engine
+from splitserve_worker.engine.errors import NoCapacity, RequestError
+from splitserve_worker.engine.sampling import SamplingParams
 from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.models import LoadedModel, load_model
 
