@@ -28,7 +28,9 @@ import torch
 from splitserve.roles import Role
 from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.commands.up import WorkerProcs
-from splitserve_worker.engine import Engine, EngineConfig, SamplingParams
+from splitserve_worker.engine.config import EngineConfig
+from splitserve_worker.engine.engine import Engine
+from splitserve_worker.engine.sampling import SamplingParams
 from splitserve_worker.kv.transport import unavailable_reason
 from splitserve_worker.models import load_model, save_tiny_llama
 from splitserve_worker.router.discovery import WorkerEndpoint

@@ -4,30 +4,40 @@ Pure Python plus numpy: no kopf, kubernetes, grpc or torch. Used by
 ``splitserve advise`` (should this model and workload disaggregate, and with
 what prefill:decode ratio?), by the planner's closed-loop bench, and by tests.
 
+May import: the standard library, numpy and the contract package ``splitserve``;
+no other room of the operator, no worker module, nor kopf, kubernetes, grpc or
+torch. The names imported at the end of this file are the API the planner's
+benches and the tests use; the room's own modules import each name from the
+module that defines it, never from here.
+
 Modules
 -------
+From the bottom up (each imports only modules above it in this list):
+
 ``hardware``     GPU kinds (``h100``, ``h200``, ``a100``, ``l40s``) and KV links
                  (``pcie4``, ``pcie5``, ``roce400``, ``nvlink``).
 ``model_spec``   :class:`ModelSpec` from a Hugging Face ``config.json``: FLOPs per
                  token, weight bytes, KV bytes per token; shipped configs by name.
-``cost``         :class:`CostModel` (Protocol), :class:`RooflineCost`,
-                 :class:`MeasuredCost`, KV transfer timing (layer-wise or not).
 ``workload``     :class:`Workload`, :class:`Request`, Poisson synthetic workloads.
 ``traces``       Mooncake JSONL and Azure CSV replay (and writers).
 ``synth``        day-long Mooncake-like and Azure-like traces drawn here.
 ``prefix``       the LRU prefix cache of 512-token blocks (``hash_ids``).
+``cost``         :class:`CostModel` (Protocol), :class:`RooflineCost`,
+                 :class:`MeasuredCost`, KV transfer timing (layer-wise or not).
 ``config``       :class:`SimConfig` (pools, replicas, link, chunk size, ...),
                  :func:`roofline_config`.
-``decode_batch`` closed-form bookkeeping of a decode batch.
-``instance_base`` the abstract instance, its lifecycle states, decode spans.
-``instances``    prefill and decode engine instances (and every instance name).
-``colocated``    the colocated engine instance.
-``events``       the simulator's clock, event heap and shared state.
-``pools``        adding, resizing, draining and retiring instances.
-``routing``      the router and the request lifecycle.
-``windows``      per-window observations, GPU-seconds, the result.
-``simulator``    :class:`Simulator`: event loop, router, resizable pools, windows.
 ``metrics``      :class:`Window` observations, :class:`SimResult`.
+``decode_batch`` closed-form bookkeeping of a decode batch.
+``events``       the clock: :class:`Clock` (Protocol), the event loop.
+``instance_base`` :class:`Host` (Protocol: all an instance sees of the simulation),
+                 the abstract instance, its lifecycle states, decode spans.
+``colocated``    the colocated engine instance.
+``instances``    prefill and decode engine instances.
+``pools``        :class:`Pools`: adding, resizing, draining and retiring instances.
+``windows``      :class:`Recorder`: per-window observations and the result.
+``routing``      :class:`Router`: where requests and landed KV go.
+``simulator``    :class:`Simulator`: the event loop over pools, router and
+                 recorder, and the instances' :class:`Host`.
 ``goodput``      goodput search and the best prefill:decode split.
 ``advise``       the logic behind ``splitserve advise``.
 

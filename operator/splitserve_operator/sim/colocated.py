@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
 
-from splitserve_operator.sim.config import PoolConfig, Role
-from splitserve_operator.sim.decode_batch import DecodeBatch
-from splitserve_operator.sim.instance_base import Instance, SpanMixin, State
+from splitserve_operator.sim.config import PoolConfig, Role, SimConfig
+from splitserve_operator.sim.instance_base import Host, SpanInstance, State
 from splitserve_operator.sim.prefix import PrefixCache
 from splitserve_operator.sim.workload import Request
 
-if TYPE_CHECKING:
-    from splitserve_operator.sim.simulator import Simulator
 
-
-class ColocatedInstance(SpanMixin, Instance):
+class ColocatedInstance(SpanInstance):
     """One engine doing both: each step carries every running decode plus
     prompt chunks up to ``chunk_size`` tokens in all (decode first).
 
@@ -26,7 +21,8 @@ class ColocatedInstance(SpanMixin, Instance):
 
     def __init__(
         self,
-        sim: Simulator,
+        host: Host,
+        config: SimConfig,
         iid: int,
         pool: PoolConfig,
         now: float,
@@ -34,19 +30,16 @@ class ColocatedInstance(SpanMixin, Instance):
         cache: PrefixCache,
         role: Role = Role.BOTH,
     ) -> None:
-        super().__init__(sim, iid, pool, now, state)
+        super().__init__(host, config, iid, pool, now, state)
         self.role = role
         self.landed: deque[Request] = deque()
         self.landed_tokens = 0
-        self.batch = DecodeBatch()
         self.queue: deque[Request] = deque()
         self.queued_tokens = 0
         self.partial: list[Request] = []
         self.partial_tokens = 0
         self.finishing: list[Request] = []
         self.cache = cache
-        self.span_t0 = now
-        self.span_k = 0
         self.mixed = False
         """The step in flight carries prefill (it is a single step, never cut)."""
 
@@ -73,7 +66,9 @@ class ColocatedInstance(SpanMixin, Instance):
 
     def kv_used_tokens(self) -> int:
         b = self.batch
-        used = b.ctx_off + b.n * (b.step + (0 if self.mixed else self.steps_done_now(self.sim.now)))
+        used = b.ctx_off + b.n * (
+            b.step + (0 if self.mixed else self.steps_done_now(self.host.now))
+        )
         return used + sum(r.done_tokens for r in self.partial)
 
     def _fits(self, req: Request) -> bool:
@@ -93,7 +88,7 @@ class ColocatedInstance(SpanMixin, Instance):
             self._cut_span(now)
 
     def _end_step(self, _: None) -> None:
-        now = self.sim.now
+        now = self.host.now
         b = self.batch
         b.tokens_out += b.n
         b.step += 1
@@ -102,15 +97,15 @@ class ColocatedInstance(SpanMixin, Instance):
 
     def _boundary(self, now: float) -> None:
         b = self.batch
-        sim = self.sim
+        host = self.host
         for req in b.pop_done():
-            sim.finish(req, now)
+            host.finish(req, now)
         if self.finishing:
             for req in self.finishing:
-                sim.first_token(req, now)
+                host.first_token(req, now)
                 if req.output == 1:
                     b.reserved -= req.prompt + req.output
-                    sim.finish(req, now)
+                    host.finish(req, now)
                 else:
                     b.admit(req)
             self.finishing = []
@@ -121,9 +116,9 @@ class ColocatedInstance(SpanMixin, Instance):
             self.landed_tokens -= need
             b.reserved += need
             b.admit(req)
-            sim.decode_admitted(req, now)
+            host.decode_admitted(req, now)
         q = self.queue
-        caching = sim.config.prefix_caching
+        caching = self.config.prefix_caching
         while q and self._fits(q[0]):
             req = q.popleft()
             self.queued_tokens -= req.prompt
@@ -141,11 +136,11 @@ class ColocatedInstance(SpanMixin, Instance):
         else:
             self.busy = False
             self.mixed = False
-            sim.idle(self)
+            host.idle(self)
 
     def _start_mixed(self, now: float) -> None:
         b = self.batch
-        budget = self.sim.config.chunk_size - b.n
+        budget = self.config.chunk_size - b.n
         tokens = 0
         attn = 0.0
         seqs = 0
@@ -163,11 +158,11 @@ class ColocatedInstance(SpanMixin, Instance):
         if self.finishing:
             self.partial = [r for r in self.partial if r.done_tokens < r.prompt]
         self.partial_tokens -= tokens
-        self.sim.prefill_tokens += tokens
+        self.host.prefilled(tokens)
         self.mixed = True
         self.busy = True
         self.span_t0 = now
         self.span_k = 1
         self.version += 1
         dt = self.cost.step_time(tokens, attn, seqs, b.n, b.ctx_sum())
-        self.sim.schedule(now + dt, self._end_step, None)
+        self.host.schedule(now + dt, self._end_step, None)

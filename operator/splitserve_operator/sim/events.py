@@ -1,73 +1,56 @@
-"""The simulator's clock and event heap, and the state its parts share.
+"""The simulator's clock: simulated time, the event heap, and the arrivals to come.
 
-:class:`EventLoop` is the base of :class:`~splitserve_operator.sim.simulator.Simulator`:
-it declares the attributes the pool, routing and window parts read and write
-(set in ``Simulator.__init__``) and advances time through arrivals and events.
+:class:`Clock` is what the simulator's parts need of time (read it, schedule an event);
+:class:`EventLoop` is the clock itself and advances time through arrivals and events
+in order (an arrival first when both fall at the same time).
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
-from collections import deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from splitserve_operator.sim.config import Role, SimConfig, Slo
-from splitserve_operator.sim.instances import Instance
 from splitserve_operator.sim.workload import Request
 
 Event = tuple[float, int, Callable[[Any], None], Any]
+"""``(time, sequence number, fn, arg)``: ``fn(arg)`` runs at ``time``; ties run in the
+order they were scheduled."""
+
+
+class Clock(Protocol):
+    """Simulated time as the simulator's parts see it."""
+
+    @property
+    def now(self) -> float:
+        """Seconds since the simulation started."""
+        ...
+
+    def schedule(self, t: float, fn: Callable[[Any], None], arg: Any) -> None:
+        """Run ``fn(arg)`` at time ``t`` (never before ``now``)."""
+        ...
 
 
 class EventLoop:
-    """Time, the event heap and the arrivals; the shared simulator state."""
+    """Time, the event heap and the arrivals (consumed lazily, in arrival order)."""
 
-    config: SimConfig
-    slo: Slo | None
-    now: float
-    _heap: list[Event]
-    _seq: Iterator[int]
-    _block_tokens: int
-    _arrivals: Iterator[Request]
-    _next: Request | None
-    _ids: Iterator[int]
-    pools: dict[Role, list[Instance]]
-    _pending: dict[Role, deque[Request]]
-    _first_role: Role
-    keep_requests: bool
-    finished: list[Request]
-    n_arrived: int
-    n_finished: int
-    transfers_in_flight: int
-    prefill_tokens: int
-    local_prefills: int
-    _gone_gpu_seconds: float
-    _gone_tokens: int
-    _w_start: float
-    _w_arrivals: int
-    _w_in_tokens: int
-    _w_first: int
-    _w_ttft: list[float]
-    _w_tpot: list[float]
-    _w_ok: int
-    _w_prefill0: int
-    _w_out0: int
-    _w_gpu_s0: float
-    _w_busy0: dict[int, float]
-
-    if TYPE_CHECKING:
-
-        def _arrive(self, req: Request) -> None:
-            """A request arrives (the router's part)."""
+    def __init__(self, arrivals: Iterator[Request]) -> None:
+        self.now = 0.0
+        self._heap: list[Event] = []
+        self._seq = itertools.count()
+        self._arrivals = arrivals
+        self._next: Request | None = next(arrivals, None)
 
     def schedule(self, t: float, fn: Callable[[Any], None], arg: Any) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), fn, arg))
 
-    def _advance(self, t_end: float) -> None:
+    def advance(self, t_end: float, arrive: Callable[[Request], None]) -> None:
+        """Process every arrival (handed to ``arrive``) and event up to ``t_end``; then
+        time is ``t_end`` (unless that is infinite: then the time of the last one)."""
         heap = self._heap
         pop = heapq.heappop
-        arrive = self._arrive
         while True:
             nxt = self._next
             ta = nxt.arrival if nxt is not None else math.inf

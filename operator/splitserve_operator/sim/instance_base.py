@@ -1,23 +1,51 @@
-"""What every simulated instance shares: lifecycle state, accounting, decode spans.
+"""What every simulated instance shares: what it needs of the simulation, its lifecycle
+state and accounting, and the decode spans of the instances that batch decodes.
 
-:class:`Instance` is the abstract base of the prefill, decode and colocated
-instances; :class:`SpanMixin` advances a pure-decode batch ``k`` steps per
-event and cuts a span short at the next step boundary when work arrives.
+:class:`Host` is all an instance sees of the simulator: the clock, and the calls it makes
+when a request reaches a milestone. :class:`Instance` is the abstract base of the
+prefill, decode and colocated instances; :class:`SpanInstance` advances a pure-decode
+batch ``k`` steps per event and cuts a span short at the next step boundary when work
+arrives.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from enum import IntEnum
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from splitserve_operator.sim.config import PoolConfig, Role
-from splitserve_operator.sim.cost import CostModel
+from splitserve_operator.sim.config import PoolConfig, Role, SimConfig
 from splitserve_operator.sim.decode_batch import DecodeBatch, steps_until
+from splitserve_operator.sim.events import Clock
 from splitserve_operator.sim.workload import Request
 
-if TYPE_CHECKING:
-    from splitserve_operator.sim.simulator import Simulator
+
+class Host(Clock, Protocol):
+    """What an instance needs of the simulation it runs in."""
+
+    def prefilled(self, tokens: int) -> None:
+        """``tokens`` prompt tokens were computed (not counting prefix-cache hits)."""
+        ...
+
+    def kv_sent(self, batch: list[Request], t_landed: float) -> None:
+        """A prefill batch's KV will have landed on the decode side at ``t_landed``."""
+        ...
+
+    def first_token(self, req: Request, t: float) -> None:
+        """``req``'s first token is out at ``t``."""
+        ...
+
+    def decode_admitted(self, req: Request, t: float) -> None:
+        """``req`` joined a decode batch at ``t``."""
+        ...
+
+    def finish(self, req: Request, t: float) -> None:
+        """``req``'s last token is out at ``t``."""
+        ...
+
+    def idle(self, inst: Instance) -> None:
+        """``inst`` ran out of work."""
+        ...
 
 
 class State(IntEnum):
@@ -35,9 +63,16 @@ class Instance(ABC):
     role: Role
 
     def __init__(
-        self, sim: Simulator, iid: int, pool: PoolConfig, now: float, state: State
+        self,
+        host: Host,
+        config: SimConfig,
+        iid: int,
+        pool: PoolConfig,
+        now: float,
+        state: State,
     ) -> None:
-        self.sim = sim
+        self.host = host
+        self.config = config
         self.iid = iid
         self.pool = pool
         self.cost = pool.cost
@@ -64,17 +99,22 @@ class Instance(ABC):
         return f"{type(self).__name__}({self.iid}, {self.state.name})"
 
 
-class SpanMixin(ABC):
-    """Pure-decode spans shared by the decode and colocated instances."""
+class SpanInstance(Instance):
+    """An instance that runs a decode batch in spans (the decode and colocated ones)."""
 
-    sim: Simulator
-    cost: CostModel
-    batch: DecodeBatch
-    version: int
-    busy: bool
-    busy_s: float
-    span_t0: float
-    span_k: int
+    def __init__(
+        self,
+        host: Host,
+        config: SimConfig,
+        iid: int,
+        pool: PoolConfig,
+        now: float,
+        state: State,
+    ) -> None:
+        super().__init__(host, config, iid, pool, now, state)
+        self.batch = DecodeBatch()
+        self.span_t0 = now
+        self.span_k = 0
 
     def _start_span(self, now: float) -> None:
         b = self.batch
@@ -82,14 +122,14 @@ class SpanMixin(ABC):
         self.span_t0, self.span_k = now, k
         self.busy = True
         self.version += 1
-        self.sim.schedule(
+        self.host.schedule(
             now + self.cost.decode_span(b.n, b.ctx_sum(), k), self._end_span, self.version
         )
 
     def _end_span(self, version: int) -> None:
         if version != self.version:
             return
-        now = self.sim.now
+        now = self.host.now
         b = self.batch
         b.tokens_out += b.n * self.span_k
         b.step += self.span_k
@@ -104,7 +144,7 @@ class SpanMixin(ABC):
             self.span_k = j
             self.version += 1
             t = self.span_t0 + self.cost.decode_span(b.n, b.ctx_sum(), j)
-            self.sim.schedule(max(t, now), self._end_span, self.version)
+            self.host.schedule(max(t, now), self._end_span, self.version)
 
     def steps_done_now(self, now: float) -> int:
         """Steps of the running span completed by ``now`` (for observations)."""

@@ -1,8 +1,9 @@
 """Engine instances: a prefill worker and a decode worker.
 
 The colocated worker is :mod:`splitserve_operator.sim.colocated`; the shared
-base and span mechanics are :mod:`splitserve_operator.sim.instance_base`. All
-three instance classes are importable from here.
+base, the span mechanics and what an instance sees of the simulation
+(:class:`~splitserve_operator.sim.instance_base.Host`) are
+:mod:`splitserve_operator.sim.instance_base`.
 
 Each instance is a small state machine driven by the simulator's event heap.
 Decode is advanced in *spans*: while a decode batch does not change, ``k``
@@ -20,45 +21,25 @@ its reservation does not fit.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
 
-from splitserve_operator.sim.colocated import ColocatedInstance
-from splitserve_operator.sim.config import PoolConfig, Role
+from splitserve_operator.sim.config import PoolConfig, Role, SimConfig
 from splitserve_operator.sim.cost import transfer_end
-from splitserve_operator.sim.decode_batch import DecodeBatch, steps_until
-from splitserve_operator.sim.instance_base import Instance, SpanMixin, State
+from splitserve_operator.sim.instance_base import Host, Instance, SpanInstance, State
 from splitserve_operator.sim.prefix import PrefixCache
 from splitserve_operator.sim.workload import Request
 
-if TYPE_CHECKING:
-    from splitserve_operator.sim.simulator import Simulator
 
-__all__ = [
-    "ColocatedInstance",
-    "DecodeBatch",
-    "DecodeInstance",
-    "Instance",
-    "PrefillInstance",
-    "SpanMixin",
-    "State",
-    "steps_until",
-]
-
-
-class DecodeInstance(SpanMixin, Instance):
+class DecodeInstance(SpanInstance):
     """Continuous batching: requests whose KV has arrived join at step boundaries."""
 
     role = Role.DECODE
 
     def __init__(
-        self, sim: Simulator, iid: int, pool: PoolConfig, now: float, state: State
+        self, host: Host, config: SimConfig, iid: int, pool: PoolConfig, now: float, state: State
     ) -> None:
-        super().__init__(sim, iid, pool, now, state)
-        self.batch = DecodeBatch()
+        super().__init__(host, config, iid, pool, now, state)
         self.waiting: deque[Request] = deque()
         self.waiting_tokens = 0
-        self.span_t0 = now
-        self.span_k = 0
 
     def has_work(self) -> bool:
         return self.busy or bool(self.waiting)
@@ -70,7 +51,7 @@ class DecodeInstance(SpanMixin, Instance):
 
     def kv_used_tokens(self) -> int:
         b = self.batch
-        return b.ctx_off + b.n * (b.step + self.steps_done_now(self.sim.now))
+        return b.ctx_off + b.n * (b.step + self.steps_done_now(self.host.now))
 
     def _fits(self, req: Request) -> bool:
         b = self.batch
@@ -93,9 +74,9 @@ class DecodeInstance(SpanMixin, Instance):
 
     def _boundary(self, now: float) -> None:
         b = self.batch
-        sim = self.sim
+        host = self.host
         for req in b.pop_done():
-            sim.finish(req, now)
+            host.finish(req, now)
         w = self.waiting
         while w and self._fits(w[0]):
             req = w.popleft()
@@ -103,12 +84,12 @@ class DecodeInstance(SpanMixin, Instance):
             self.waiting_tokens -= need
             b.reserved += need
             b.admit(req)
-            sim.decode_admitted(req, now)
+            host.decode_admitted(req, now)
         if b.n:
             self._start_span(now)
         else:
             self.busy = False
-            sim.idle(self)
+            host.idle(self)
 
 
 class PrefillInstance(Instance):
@@ -118,14 +99,15 @@ class PrefillInstance(Instance):
 
     def __init__(
         self,
-        sim: Simulator,
+        host: Host,
+        config: SimConfig,
         iid: int,
         pool: PoolConfig,
         now: float,
         state: State,
         cache: PrefixCache,
     ) -> None:
-        super().__init__(sim, iid, pool, now, state)
+        super().__init__(host, config, iid, pool, now, state)
         self.queue: deque[Request] = deque()
         self.queued_tokens = 0
         self.running: list[Request] = []
@@ -148,7 +130,7 @@ class PrefillInstance(Instance):
             self._start(now)
 
     def _start(self, now: float) -> None:
-        sim, cfg = self.sim, self.sim.config
+        cfg = self.config
         q, cache = self.queue, self.cache
         batch: list[Request] = []
         tokens = 0
@@ -174,13 +156,14 @@ class PrefillInstance(Instance):
         self.running_tokens = tokens
         self.t_start = now
         self.busy = True
-        sim.prefill_tokens += tokens
+        host = self.host
+        host.prefilled(tokens)
         dt = self.cost.step_time(tokens, attn, len(batch), 0, 0)
-        sim.schedule(now + dt, self._done, None)
+        host.schedule(now + dt, self._done, None)
 
     def _done(self, _: None) -> None:
-        sim, cfg = self.sim, self.sim.config
-        now = sim.now
+        host, cfg = self.host, self.config
+        now = host.now
         self.busy_s += now - self.t_start
         batch = self.running
         link = cfg.link
@@ -195,11 +178,11 @@ class PrefillInstance(Instance):
         end += link.latency_s
         for r in batch:
             r.t_prefill_end = now
-        sim.kv_sent(batch, end)
+        host.kv_sent(batch, end)
         self.running = []
         self.running_tokens = 0
         if self.queue:
             self._start(now)
         else:
             self.busy = False
-            sim.idle(self)
+            host.idle(self)

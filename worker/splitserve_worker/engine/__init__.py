@@ -1,70 +1,18 @@
 """The worker engine: paged KV cache, continuous batching, chunked and layer-wise prefill.
 
-Public surface: :class:`Engine` (synchronous core), :class:`AsyncEngine` (asyncio
-wrapper on one engine thread), :class:`EngineConfig`, :class:`SamplingParams`,
-:class:`RequestOutput`, :class:`PrefillResult`, the errors, and :func:`block_hashes`,
-the chained block hash the router uses to find cached prefixes.
+Its modules, from the bottom up: errors, config, sampling and stopping, the block pool
+and prefix cache, the KV pool, the model runner (with its linear kernels and prompt
+scoring), sequences, the scheduler, the request table (:mod:`.requests`, with
+:mod:`.reservations` and :mod:`.request_checks`), layer-wise prefill (:mod:`.layerwise`)
+and remote KV admission (:mod:`.remote_kv`), which both take the request table, the
+scheduler and the model runner they work on, then :class:`~.engine.Engine` (the
+synchronous step) and :class:`~.async_engine.AsyncEngine` (its asyncio front, on one
+engine thread). Import names from the module that defines them; nothing is re-exported
+here.
 
-Names are imported on first use, so ``splitserve_worker.engine.prefix_cache`` (pure
-Python) can be imported without loading torch.
+May import: torch, the contract package :mod:`splitserve`, and of the worker only
+:mod:`splitserve_worker.metrics`, :mod:`splitserve_worker.models` and
+:mod:`splitserve_worker.request_limits`; never the router, the servers, the client or
+the KV transports. ``prefix_cache`` and ``block_pool`` are pure Python, importable
+without torch.
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
-
-_EXPORTS = {
-    "AsyncEngine": "async_engine",
-    "Engine": "engine",
-    "EngineConfig": "config",
-    "EventKind": "prefix_cache",
-    "FinishReason": "sequence",
-    "KVCache": "kv_cache",
-    "KVCacheEvent": "prefix_cache",
-    "KV_LAYOUT": "kv_cache",
-    "NoCapacity": "errors",
-    "PrefillResult": "sequence",
-    "RequestError": "errors",
-    "RequestOutput": "sequence",
-    "SamplingParams": "sampling",
-    "UnknownRequest": "errors",
-    "block_hashes": "prefix_cache",
-}
-
-__all__ = [
-    "KV_LAYOUT",
-    "AsyncEngine",
-    "Engine",
-    "EngineConfig",
-    "EventKind",
-    "FinishReason",
-    "KVCache",
-    "KVCacheEvent",
-    "NoCapacity",
-    "PrefillResult",
-    "RequestError",
-    "RequestOutput",
-    "SamplingParams",
-    "UnknownRequest",
-    "block_hashes",
-]
-
-if TYPE_CHECKING:
-    from splitserve_worker.engine.async_engine import AsyncEngine
-    from splitserve_worker.engine.config import EngineConfig
-    from splitserve_worker.engine.engine import Engine
-    from splitserve_worker.engine.errors import NoCapacity, RequestError, UnknownRequest
-    from splitserve_worker.engine.kv_cache import KV_LAYOUT, KVCache
-    from splitserve_worker.engine.prefix_cache import EventKind, KVCacheEvent, block_hashes
-    from splitserve_worker.engine.sampling import SamplingParams
-    from splitserve_worker.engine.sequence import FinishReason, PrefillResult, RequestOutput
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value

@@ -1,8 +1,9 @@
 """The synchronous engine: one thread calls ``add_request``/``step``/``abort`` and the
 remote-KV calls; :mod:`.async_engine` wraps it for asyncio servers.
 
-This module holds the request lifecycle and the step; the layer-wise prefill export
-is :mod:`.layerwise` and remote KV admission is :mod:`.remote_kv`."""
+This module holds the step; the request table is :mod:`.requests`, the layer-wise
+prefill export is :mod:`.layerwise` and remote KV admission is :mod:`.remote_kv`, each
+given the table, the scheduler and the model runner it works on."""
 
 from __future__ import annotations
 
@@ -12,39 +13,29 @@ from typing import Any
 import torch
 from splitserve.metric_registry import Metrics
 
-from splitserve_worker.engine import identity, layerwise, remote_kv
+from splitserve_worker.engine import identity
 from splitserve_worker.engine.config import EngineConfig
-from splitserve_worker.engine.errors import RequestError
 from splitserve_worker.engine.kv_cache import KVCache, bytes_per_block
-from splitserve_worker.engine.layerwise import LayerCallback
+from splitserve_worker.engine.layerwise import LayerCallback, LayerwisePrefill
 from splitserve_worker.engine.metrics import EngineMetrics
 from splitserve_worker.engine.model_runner import Chunk, ModelRunner, model_shape
 from splitserve_worker.engine.prefix_cache import KVCacheEvent, block_hashes
-from splitserve_worker.engine.prompt_logprobs import PromptLogprobs
-from splitserve_worker.engine.request_checks import check_request
-from splitserve_worker.engine.reservations import Reservations
-from splitserve_worker.engine.sampling import (
-    SampleRow,
-    SamplingParams,
-    TopLogprobs,
-    sample,
-    top_logprobs,
-)
+from splitserve_worker.engine.remote_kv import RemoteAdmission
+from splitserve_worker.engine.requests import RequestLimits, RequestTable
+from splitserve_worker.engine.sampling import SamplingParams, TopLogprobs, sample, top_logprobs
 from splitserve_worker.engine.scheduler import Scheduler, StepPlan
 from splitserve_worker.engine.sequence import (
     FinishReason,
     PrefillResult,
     RequestOutput,
-    SeqStatus,
     Sequence,
+    output_of,
 )
 from splitserve_worker.engine.stopping import StopChecker
 from splitserve_worker.models import LoadedModel, torch_dtype
 
 FORWARD_ERRORS = (RuntimeError, ValueError, IndexError)
 """Errors of a model forward that fail the requests in that batch, not the engine."""
-
-__all__ = ["FORWARD_ERRORS", "Engine", "LayerCallback"]
 
 
 class Engine:
@@ -91,12 +82,18 @@ class Engine:
         self.max_model_len = identity.max_model_len(model.config, config.max_model_len)
         self.stopper = StopChecker(identity.eos_ids(model), loaded.tokenizer, self.max_model_len)
         self.scheduler = Scheduler(config, self.kv.blocks)
-        self._seqs: dict[str, Sequence] = {}
-        self._reserved = Reservations(self.kv)
-        self._pending: list[RequestOutput] = []
-        self._arrivals = 0
         self.metrics = EngineMetrics(metrics, config.role) if metrics is not None else None
-        self._update_gauges()
+        limits = RequestLimits(shape.vocab_size, self.max_model_len, config.max_num_seqs)
+        self.requests = RequestTable(
+            self.scheduler, self.kv, limits, device=device, metrics=self.metrics
+        )
+        self.layerwise = LayerwisePrefill(
+            self.requests, self.scheduler, self.runner, self.stopper, config, self.metrics
+        )
+        self.admission = RemoteAdmission(
+            self.requests, self.scheduler, self.runner, self.stopper, config
+        )
+        self.requests.update_gauges()
 
     # ---- identity ----
     def compat_info(self) -> dict[str, Any]:
@@ -117,50 +114,23 @@ class Engine:
     # ---- state ----
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        return self.requests.num_running
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return self.requests.num_waiting
 
     @property
     def num_reserved(self) -> int:
-        return len(self._reserved)
+        return self.requests.num_reserved
 
     def has_work(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_work()
+        return self.requests.has_work()
 
     def tokens_in_flight(self) -> int:
-        return sum(len(s.tokens) for s in self._seqs.values())
+        return self.requests.tokens_in_flight()
 
     # ---- requests ----
-    def _check_request(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> None:
-        if request_id in self._seqs or request_id in self._reserved:
-            raise RequestError(f"request id {request_id!r} is already in use on this engine")
-        check_request(prompt, sampling, vocab=self.shape.vocab_size,
-                      max_model_len=self.max_model_len, block_size=self.block_size,
-                      total_blocks=self.kv.total_blocks)  # fmt: skip
-
-    def _sample_row(self, seq: Sequence) -> SampleRow:
-        """What the sampler needs to choose ``seq``'s next token."""
-        return SampleRow(
-            seq.params, seq.generator, self.stopper.suppressed(seq), seq.tokens, seq.prompt_len
-        )
-
-    def _new_seq(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> Sequence:
-        self._arrivals += 1
-        return Sequence(
-            request_id=request_id,
-            prompt_len=len(prompt),
-            tokens=list(prompt),
-            params=sampling,
-            generator=sampling.make_generator(self.device),
-            arrival=self._arrivals,
-            prompt_logprobs=(
-                None if sampling.prompt_logprobs is None else PromptLogprobs.empty(len(prompt))
-            ),
-        )
-
     def add_request(
         self,
         request_id: str,
@@ -170,33 +140,25 @@ class Engine:
         """Queue a request to be prefilled and decoded here. Raises :class:`RequestError`."""
         prompt = [int(t) for t in prompt_token_ids]
         sampling = sampling or SamplingParams()
-        self._check_request(request_id, prompt, sampling)
-        seq = self._new_seq(request_id, prompt, sampling)
-        self._seqs[request_id] = seq
-        self.scheduler.add(seq)
-        self._update_gauges()
+        self.requests.check(request_id, prompt, sampling)
+        self.requests.add(self.requests.new_sequence(request_id, prompt, sampling))
+        self.requests.update_gauges()
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free everything it holds; False if it is not here."""
-        if request_id in self._reserved:
-            self.release(request_id)
-            return True
-        seq = self._seqs.get(request_id)
-        if seq is None:
-            return False
-        self._finish(seq, FinishReason.ABORT)
-        self._update_gauges()
-        return True
+        found = self.requests.abort(request_id)
+        self.requests.update_gauges()
+        return found
 
     # ---- the step ----
     def step(self) -> list[RequestOutput]:
         """One scheduler iteration: at most one forward; returns what it produced."""
-        outputs, self._pending = self._pending, []
+        outputs = self.requests.take_deferred()
         plan = self.scheduler.schedule()
         self._record_step(plan)
         if plan.scheduled:
             outputs.extend(self._run(plan))
-        self._update_gauges()
+        self.requests.update_gauges()
         return outputs
 
     def _run(self, plan: StepPlan) -> list[RequestOutput]:
@@ -216,7 +178,9 @@ class Engine:
             out = []
             for s in plan.scheduled:
                 out.append(
-                    self._finish(s.seq, FinishReason.ERROR, error=f"model forward failed: {e}")
+                    self.requests.finish(
+                        s.seq, FinishReason.ERROR, error=f"model forward failed: {e}"
+                    )
                 )
             return out
         sampling_seqs = [s.seq for s in plan.scheduled if s.completes]
@@ -225,7 +189,7 @@ class Engine:
             self.scheduler.commit(s.seq, s.num_tokens, cache=self.config.enable_prefix_cache)
         if not sampling_seqs:
             return []
-        rows = [self._sample_row(q) for q in sampling_seqs]
+        rows = [q.sample_row(self.stopper.suppressed(q)) for q in sampling_seqs]
         tokens, logprobs = sample(logits, rows)
         tops = top_logprobs(logits, rows)
         outputs = []
@@ -241,58 +205,15 @@ class Engine:
             self.metrics.decoded(1)
         reason, stop_reason = self.stopper.check(seq)
         if reason is not None:
-            out = self._finish(seq, reason, stop_reason=stop_reason, emit=False)
+            out = self.requests.finish(seq, reason, stop_reason=stop_reason, emit=False)
             out.new_token_ids = [token]
             out.new_logprobs = [logprob]
         else:
-            out = self._output(seq, [token], [logprob], finished=False)
+            out = output_of(seq, [token], [logprob], finished=False)
         if seq.params.top_logprobs:
             out.new_top_logprobs = [top]
         if seq.num_output == 1:
             out.prompt_logprobs = seq.prompt_logprobs
-        return out
-
-    def _output(
-        self,
-        seq: Sequence,
-        tokens: list[int],
-        logprobs: list[float | None],
-        *,
-        finished: bool,
-        reason: FinishReason | None = None,
-        error: str | None = None,
-        stop_reason: int | str | None = None,
-    ) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=tokens,
-            new_logprobs=logprobs,
-            finished=finished,
-            finish_reason=reason.value if reason is not None else None,
-            error=error,
-            num_prompt_tokens=seq.prompt_len,
-            num_cached_tokens=seq.num_cached_tokens,
-            stop_reason=stop_reason,
-        )
-
-    def _finish(
-        self,
-        seq: Sequence,
-        reason: FinishReason,
-        *,
-        error: str | None = None,
-        stop_reason: int | str | None = None,
-        emit: bool = True,
-    ) -> RequestOutput:
-        """Remove a sequence and free its blocks; its final output goes out now or next step."""
-        if seq.status is not SeqStatus.FINISHED:
-            self.scheduler.remove(seq)
-        self._seqs.pop(seq.request_id, None)
-        out = self._output(
-            seq, [], [], finished=True, reason=reason, error=error, stop_reason=stop_reason
-        )
-        if emit and reason is FinishReason.ABORT:
-            self._pending.append(out)
         return out
 
     # ---- layer-wise prefill (prefill role) ----
@@ -313,7 +234,7 @@ class Engine:
         :class:`NoCapacity` when the pool cannot hold the prompt now, and
         :class:`RequestError` for a bad request. Runs on the engine's thread.
         """
-        return layerwise.prefill_export(self, request_id, prompt_token_ids, sampling, on_layer)
+        return self.layerwise.run(request_id, prompt_token_ids, sampling, on_layer)
 
     # ---- remote KV admission (decode role) ----
     def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int]:
@@ -323,17 +244,19 @@ class Engine:
         at offset ``p % block_size``). Raises :class:`NoCapacity` when blocks or batch slots
         are short, :class:`RequestError` for a bad size or a duplicate id.
         """
-        return remote_kv.reserve(self, request_id, num_prompt_tokens)
+        ids = self.requests.reserve(request_id, num_prompt_tokens)
+        self.requests.update_gauges()
+        return ids
 
     def reserved_blocks(self, request_id: str) -> list[int]:
-        return list(self._reserved.get(request_id).blocks)
+        return list(self.requests.reservation(request_id).blocks)
 
     def write_layer(
         self, request_id: str, layer: int, start_token: int, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Copy one layer's K/V ``[n, kv_heads, head_dim]`` for prompt positions
         ``[start_token, start_token + n)`` into a reservation's blocks."""
-        self._reserved.write(request_id, layer, start_token, k, v)
+        self.requests.write(request_id, layer, start_token, k, v)
 
     def admit_prefilled(
         self,
@@ -348,16 +271,16 @@ class Engine:
         ``first_token`` was already sent to the client by the prefill side; the next
         outputs of this request carry the tokens after it.
         """
-        remote_kv.admit_prefilled(
-            self, request_id, prompt_token_ids, first_token, first_logprob, sampling
-        )
+        self.admission.admit(request_id, prompt_token_ids, first_token, first_logprob, sampling)
 
     def release(self, request_id: str) -> int:
         """Free what a request holds (reservation or sequence); returns blocks freed.
 
         Idempotent: 0 for an unknown or already released request.
         """
-        return remote_kv.release(self, request_id)
+        n = self.requests.release(request_id)
+        self.requests.update_gauges()
+        return n
 
     # ---- metrics ----
     def _record_step(self, plan: StepPlan) -> None:
@@ -367,15 +290,6 @@ class Engine:
         self.metrics.prefilled(
             sum(s.num_tokens for s in plan.scheduled if s.num_tokens > 1 or s.seq.num_output == 0)
         )
-
-    def _update_gauges(self) -> None:
-        if self.metrics is not None:
-            self.metrics.gauges(
-                running=self.num_running,
-                waiting=self.num_waiting,
-                used=self.kv.used_blocks,
-                free=self.kv.free_blocks,
-            )
 
     def stats(self) -> dict[str, int]:
         return {

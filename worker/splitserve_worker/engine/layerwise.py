@@ -5,93 +5,117 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 import torch
 
+from splitserve_worker.engine.config import EngineConfig
 from splitserve_worker.engine.errors import NoCapacity
-from splitserve_worker.engine.model_runner import Chunk
+from splitserve_worker.engine.metrics import EngineMetrics
+from splitserve_worker.engine.model_runner import Chunk, ModelRunner
+from splitserve_worker.engine.requests import RequestTable
 from splitserve_worker.engine.sampling import SamplingParams, sample, top_logprobs
-from splitserve_worker.engine.scheduler import blocks_for
+from splitserve_worker.engine.scheduler import Scheduler, blocks_for
 from splitserve_worker.engine.sequence import PrefillResult, SeqStatus, Sequence
-
-if TYPE_CHECKING:
-    from splitserve_worker.engine.engine import Engine
+from splitserve_worker.engine.stopping import StopChecker
 
 LayerCallback = Callable[[int, torch.Tensor, torch.Tensor, int], None]
 """``on_layer(layer_idx, k, v, start_token)``: K/V ``[n, kv_heads, head_dim]`` of prompt
 positions ``[start_token, start_token + n)`` of one layer."""
 
 
-def prefill_export(
-    engine: Engine,
-    request_id: str,
-    prompt_token_ids: Iterable[int],
-    sampling: SamplingParams | None,
-    on_layer: LayerCallback,
-) -> PrefillResult:
-    """:meth:`Engine.prefill_export` (see there)."""
-    prompt = [int(t) for t in prompt_token_ids]
-    sampling = sampling or SamplingParams()
-    check = dataclasses.replace(sampling, max_tokens=1, min_tokens=0)
-    engine._check_request(request_id, prompt, check)
-    seq = engine._new_seq(request_id, prompt, sampling)
-    bs = engine.block_size
-    blocks = engine.kv.blocks
-    hit = engine.scheduler.cached_prefix(seq)
-    need = blocks_for(len(prompt), bs) - len(hit)
-    reclaimed = sum(1 for b in hit if blocks.refcount(b) == 0)
-    if need + reclaimed > blocks.free_blocks:
-        raise NoCapacity(
-            f"prefill of {len(prompt)} tokens needs {need + reclaimed} free KV blocks, "
-            f"{blocks.free_blocks} free",
-            needed=need + reclaimed,
-            free=blocks.free_blocks,
-        )
-    blocks.touch(hit)
-    seq.block_table = [*hit, *blocks.allocate(need)]
-    seq.num_computed = seq.num_registered = len(hit)
-    seq.num_computed *= bs
-    seq.num_cached_tokens = seq.num_computed
-    seq.status = SeqStatus.RUNNING
-    if engine.metrics is not None:
-        engine.metrics.prefix(len(prompt), seq.num_cached_tokens)
-    try:
-        logits = export_forward(engine, seq, on_layer)
-        engine.scheduler.commit(seq, 0, cache=engine.config.enable_prefix_cache)
-        rows = [engine._sample_row(seq)]
-        tokens, logprobs = sample(logits, rows)
-        tops = top_logprobs(logits, rows)
-    finally:
-        engine.scheduler.free_blocks_of(seq)
-        seq.status = SeqStatus.FINISHED
-        engine._update_gauges()
-    return PrefillResult(tokens[0], logprobs[0], seq.num_cached_tokens, len(prompt), tops[0],
-                         seq.prompt_logprobs)  # fmt: skip
+class LayerwisePrefill:
+    """Runs one prompt outside the step loop, on the engine's thread, and hands its K/V
+    over layer by layer. Its blocks come from the same pool as the batch's."""
 
+    def __init__(
+        self,
+        requests: RequestTable,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        stopper: StopChecker,
+        config: EngineConfig,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
+        self.requests = requests
+        self.scheduler = scheduler
+        self.runner = runner
+        self.stopper = stopper
+        self.config = config
+        self.metrics = metrics
 
-def export_forward(engine: Engine, seq: Sequence, on_layer: LayerCallback) -> torch.Tensor:
-    """Run a prompt's chunks, calling ``on_layer`` after each layer of each chunk."""
-    total = len(seq.tokens)
-    step = engine.config.max_batch_tokens
-    logits = torch.empty(0)
-    first = True
-    while seq.num_computed < total:
-        start = seq.num_computed
-        end = min(total, start + step)
-        lo = 0 if first else start
-        slots = engine.kv.slots(seq.block_table, lo, end)
+    def run(
+        self,
+        request_id: str,
+        prompt_token_ids: Iterable[int],
+        sampling: SamplingParams | None,
+        on_layer: LayerCallback,
+    ) -> PrefillResult:
+        """:meth:`Engine.prefill_export <splitserve_worker.engine.engine.Engine.prefill_export>`
+        (see there)."""
+        prompt = [int(t) for t in prompt_token_ids]
+        sampling = sampling or SamplingParams()
+        check = dataclasses.replace(sampling, max_tokens=1, min_tokens=0)
+        self.requests.check(request_id, prompt, check)
+        seq = self.requests.new_sequence(request_id, prompt, sampling)
+        scheduler = self.scheduler
+        bs = self.config.block_size
+        blocks = scheduler.blocks
+        hit = scheduler.cached_prefix(seq)
+        need = blocks_for(len(prompt), bs) - len(hit)
+        reclaimed = sum(1 for b in hit if blocks.refcount(b) == 0)
+        if need + reclaimed > blocks.free_blocks:
+            raise NoCapacity(
+                f"prefill of {len(prompt)} tokens needs {need + reclaimed} free KV blocks, "
+                f"{blocks.free_blocks} free",
+                needed=need + reclaimed,
+                free=blocks.free_blocks,
+            )
+        blocks.touch(hit)
+        seq.block_table = [*hit, *blocks.allocate(need)]
+        seq.num_computed = seq.num_registered = len(hit)
+        seq.num_computed *= bs
+        seq.num_cached_tokens = seq.num_computed
+        seq.status = SeqStatus.RUNNING
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.prefix(len(prompt), seq.num_cached_tokens)
+        try:
+            logits = self._forward(seq, on_layer)
+            scheduler.commit(seq, 0, cache=self.config.enable_prefix_cache)
+            rows = [seq.sample_row(self.stopper.suppressed(seq))]
+            tokens, logprobs = sample(logits, rows)
+            tops = top_logprobs(logits, rows)
+        finally:
+            scheduler.free_blocks_of(seq)
+            seq.status = SeqStatus.FINISHED
+            self.requests.update_gauges()
+        return PrefillResult(tokens[0], logprobs[0], seq.num_cached_tokens, len(prompt),
+                             tops[0], seq.prompt_logprobs)  # fmt: skip
 
-        def hand_over(layer: int, slots: torch.Tensor = slots, lo: int = lo) -> None:
-            k, v = engine.kv.read(layer, slots)
-            on_layer(layer, k, v, lo)
+    def _forward(self, seq: Sequence, on_layer: LayerCallback) -> torch.Tensor:
+        """Run a prompt's chunks, calling ``on_layer`` after each layer of each chunk."""
+        total = len(seq.tokens)
+        step = self.config.max_batch_tokens
+        kv = self.runner.kv
+        metrics = self.metrics
+        logits = torch.empty(0)
+        first = True
+        while seq.num_computed < total:
+            start = seq.num_computed
+            end = min(total, start + step)
+            lo = 0 if first else start
+            slots = kv.slots(seq.block_table, lo, end)
 
-        chunk = Chunk(seq.block_table, start, seq.tokens[start:end], need_logits=end == total,
-                      scores=seq.scores_for(end - start))  # fmt: skip
-        logits = engine.runner.forward([chunk], after_layer=hand_over)
-        seq.record_scores(start, chunk.scores)
-        engine.scheduler.commit(seq, end - start, cache=engine.config.enable_prefix_cache)
-        if engine.metrics is not None:
-            engine.metrics.prefilled(end - start)
-        first = False
-    return logits
+            def hand_over(layer: int, slots: torch.Tensor = slots, lo: int = lo) -> None:
+                k, v = kv.read(layer, slots)
+                on_layer(layer, k, v, lo)
+
+            chunk = Chunk(seq.block_table, start, seq.tokens[start:end], need_logits=end == total,
+                          scores=seq.scores_for(end - start))  # fmt: skip
+            logits = self.runner.forward([chunk], after_layer=hand_over)
+            seq.record_scores(start, chunk.scores)
+            self.scheduler.commit(seq, end - start, cache=self.config.enable_prefix_cache)
+            if metrics is not None:
+                metrics.prefilled(end - start)
+            first = False
+        return logits

@@ -9,7 +9,7 @@ import torch
 
 from splitserve_worker.engine.prefix_cache import ROOT_HASH, block_hashes
 from splitserve_worker.engine.prompt_logprobs import ChunkScores, PromptLogprobs, chunk_targets
-from splitserve_worker.engine.sampling import SamplingParams, TopLogprobs
+from splitserve_worker.engine.sampling import SampleRow, SamplingParams, TopLogprobs
 
 
 class SeqStatus(enum.Enum):
@@ -106,6 +106,11 @@ class Sequence:
         targets = chunk_targets(self.tokens, self.prompt_len, start, start + num_tokens)
         return ChunkScores(targets, top) if targets else None
 
+    def sample_row(self, suppress: list[int]) -> SampleRow:
+        """What the sampler needs to choose the next token, ``suppress`` being the token
+        ids it may not choose yet."""
+        return SampleRow(self.params, self.generator, suppress, self.tokens, self.prompt_len)
+
     def record_scores(self, start: int, scores: ChunkScores | None) -> None:
         if scores is not None and self.prompt_logprobs is not None:
             self.prompt_logprobs.record(start, scores)
@@ -122,3 +127,27 @@ class Sequence:
                 )
             )
         return self.hashes
+
+
+def output_of(
+    seq: Sequence,
+    tokens: list[int],
+    logprobs: list[float | None],
+    *,
+    finished: bool,
+    reason: FinishReason | None = None,
+    error: str | None = None,
+    stop_reason: int | str | None = None,
+) -> RequestOutput:
+    """What one step hands back for ``seq``: its new tokens, and why it ended if it did."""
+    return RequestOutput(
+        request_id=seq.request_id,
+        new_token_ids=tokens,
+        new_logprobs=logprobs,
+        finished=finished,
+        finish_reason=reason.value if reason is not None else None,
+        error=error,
+        num_prompt_tokens=seq.prompt_len,
+        num_cached_tokens=seq.num_cached_tokens,
+        stop_reason=stop_reason,
+    )
