@@ -32,7 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from splitserve_worker.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
+from splitserve.sampling import SamplingParams
+from splitserve_worker.engine import AsyncEngine, Engine, EngineConfig
 from splitserve_worker.models import BUILTIN_MODEL, LoadedModel, load_model
 
 DECODE_PROMPT_LEN = 64

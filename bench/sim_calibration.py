@@ -102,7 +102,8 @@ def measure_engine(model: str, seed: int) -> tuple[list, list, int]:
     (tokens, s), the decode samples (batch, context sum, s per step) and the
     engine's KV capacity in tokens."""
     import torch
-    from splitserve_worker.engine import Engine, EngineConfig, SamplingParams
+    from splitserve.sampling import SamplingParams
+    from splitserve_worker.engine import Engine, EngineConfig
     from splitserve_worker.models import load_model
 
     torch.set_num_threads(THREADS)

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from splitserve.sampling import SamplingParams
 from splitserve_worker.engine import (
     AsyncEngine,
     Engine,
     EngineConfig,
     RequestError,
-    SamplingParams,
 )
 from splitserve_worker.models import LoadedModel, load_model
 

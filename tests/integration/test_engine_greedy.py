@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from splitserve_worker.engine import Engine, EngineConfig, SamplingParams
+from splitserve.sampling import SamplingParams
+from splitserve_worker.engine import Engine, EngineConfig
 from splitserve_worker.models import LoadedModel, load_model
 
 pytestmark = pytest.mark.integration

@@ -11,12 +11,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from splitserve import metric_names as names
+from splitserve.sampling import SamplingParams
 from splitserve_worker.engine import (
     Engine,
     EngineConfig,
     NoCapacity,
     RequestError,
-    SamplingParams,
 )
 from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.models import LoadedModel, load_model

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from splitserve_worker.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from splitserve.sampling import SamplingParams
+from splitserve_worker.engine import Engine, EngineConfig, RequestOutput
 from splitserve_worker.engine.model_runner import Chunk
 from splitserve_worker.engine.prompt_logprobs import PromptLogprobs
 from splitserve_worker.models import LoadedModel, load_model

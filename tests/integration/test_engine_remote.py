@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from splitserve.sampling import SamplingParams
 from splitserve_worker.engine import (
     Engine,
     EngineConfig,
     EventKind,
     NoCapacity,
     RequestError,
-    SamplingParams,
     UnknownRequest,
 )
 from splitserve_worker.models import LoadedModel, load_model

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 from splitserve import metric_names as names
+from splitserve.sampling import SamplingParams
 from splitserve_worker.engine import (
     Engine,
     EngineConfig,
     EventKind,
     RequestError,
     RequestOutput,
-    SamplingParams,
 )
 from splitserve_worker.metrics.registry import Metrics
 from splitserve_worker.models import LoadedModel, load_model

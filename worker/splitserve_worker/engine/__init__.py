@@ -1,9 +1,10 @@
 """The worker engine: paged KV cache, continuous batching, chunked and layer-wise prefill.
 
 Public surface: :class:`Engine` (synchronous core), :class:`AsyncEngine` (asyncio
-wrapper on one engine thread), :class:`EngineConfig`, :class:`SamplingParams`,
-:class:`RequestOutput`, :class:`PrefillResult`, the errors, and :func:`block_hashes`,
-the chained block hash the router uses to find cached prefixes.
+wrapper on one engine thread), :class:`EngineConfig`,
+:class:`RequestOutput`, :class:`PrefillResult` and the errors. A request's sampling
+parameters are the contract's :class:`splitserve.sampling.SamplingParams`, and cached
+blocks are named by the contract's :mod:`splitserve.prefix_hash`.
 
 Names are imported on first use, so ``splitserve_worker.engine.prefix_cache`` (pure
 Python) can be imported without loading torch.
@@ -27,9 +28,7 @@ _EXPORTS = {
     "PrefillResult": "sequence",
     "RequestError": "errors",
     "RequestOutput": "sequence",
-    "SamplingParams": "sampling",
     "UnknownRequest": "errors",
-    "block_hashes": "prefix_cache",
 }
 
 __all__ = [
@@ -45,9 +44,7 @@ __all__ = [
     "PrefillResult",
     "RequestError",
     "RequestOutput",
-    "SamplingParams",
     "UnknownRequest",
-    "block_hashes",
 ]
 
 if TYPE_CHECKING:
@@ -56,8 +53,7 @@ if TYPE_CHECKING:
     from splitserve_worker.engine.engine import Engine
     from splitserve_worker.engine.errors import NoCapacity, RequestError, UnknownRequest
     from splitserve_worker.engine.kv_cache import KV_LAYOUT, KVCache
-    from splitserve_worker.engine.prefix_cache import EventKind, KVCacheEvent, block_hashes
-    from splitserve_worker.engine.sampling import SamplingParams
+    from splitserve_worker.engine.prefix_cache import EventKind, KVCacheEvent
     from splitserve_worker.engine.sequence import FinishReason, PrefillResult, RequestOutput
 
 

@@ -15,9 +15,10 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from splitserve.sampling import SamplingParams
+
 from splitserve_worker.engine.engine import Engine, LayerCallback
 from splitserve_worker.engine.errors import RequestError
-from splitserve_worker.engine.sampling import SamplingParams
 from splitserve_worker.engine.sequence import FinishReason, PrefillResult, RequestOutput
 
 log = logging.getLogger(__name__)

@@ -10,6 +10,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from splitserve.prefix_hash import block_hashes
+from splitserve.sampling import SamplingParams
 
 from splitserve_worker.engine import identity, layerwise, remote_kv
 from splitserve_worker.engine.config import EngineConfig
@@ -18,14 +20,14 @@ from splitserve_worker.engine.kv_cache import KVCache, bytes_per_block
 from splitserve_worker.engine.layerwise import LayerCallback
 from splitserve_worker.engine.metrics import EngineMetrics
 from splitserve_worker.engine.model_runner import Chunk, ModelRunner, model_shape
-from splitserve_worker.engine.prefix_cache import KVCacheEvent, block_hashes
+from splitserve_worker.engine.prefix_cache import KVCacheEvent
 from splitserve_worker.engine.prompt_logprobs import PromptLogprobs
 from splitserve_worker.engine.request_checks import check_request
 from splitserve_worker.engine.reservations import Reservations
 from splitserve_worker.engine.sampling import (
     SampleRow,
-    SamplingParams,
     TopLogprobs,
+    make_generator,
     sample,
     top_logprobs,
 )
@@ -154,7 +156,7 @@ class Engine:
             prompt_len=len(prompt),
             tokens=list(prompt),
             params=sampling,
-            generator=sampling.make_generator(self.device),
+            generator=make_generator(sampling, self.device),
             arrival=self._arrivals,
             prompt_logprobs=(
                 None if sampling.prompt_logprobs is None else PromptLogprobs.empty(len(prompt))

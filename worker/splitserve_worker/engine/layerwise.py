@@ -8,10 +8,11 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
+from splitserve.sampling import SamplingParams
 
 from splitserve_worker.engine.errors import NoCapacity
 from splitserve_worker.engine.model_runner import Chunk
-from splitserve_worker.engine.sampling import SamplingParams, sample, top_logprobs
+from splitserve_worker.engine.sampling import sample, top_logprobs
 from splitserve_worker.engine.scheduler import blocks_for
 from splitserve_worker.engine.sequence import PrefillResult, SeqStatus, Sequence
 

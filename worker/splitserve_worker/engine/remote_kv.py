@@ -7,9 +7,9 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
+from splitserve.sampling import SamplingParams
 
 from splitserve_worker.engine.errors import NoCapacity, RequestError
-from splitserve_worker.engine.sampling import SamplingParams
 from splitserve_worker.engine.sequence import FinishReason
 
 if TYPE_CHECKING:

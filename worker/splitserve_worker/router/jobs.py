@@ -6,12 +6,13 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from splitserve.sampling import SamplingParams
+
 from splitserve_worker.router.api_models import ChatCompletionRequest, CompletionRequest
 from splitserve_worker.router.config import RouterConfig
 from splitserve_worker.router.errors import APIError
 from splitserve_worker.router.responses import Job
 from splitserve_worker.router.text import Detokenizer
-from splitserve_worker.router.worker_client import Sampling
 
 
 def check_model(name: str, cfg: RouterConfig) -> str:
@@ -74,7 +75,7 @@ def make_job(
     echo_lp = isinstance(body, CompletionRequest) and body.echo and want_lp
     asked = [k for k in (body.top_count() if echo_lp else None, body.prompt_logprobs)
              if k is not None]  # fmt: skip
-    sampling = Sampling(
+    sampling = SamplingParams(
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=max(0, body.top_k),

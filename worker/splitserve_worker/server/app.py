@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
+from splitserve.grpc_options import SERVER_OPTIONS
 
 from splitserve_worker.kv.compat import Compat
 from splitserve_worker.kv.layout import PoolView
@@ -27,7 +28,6 @@ from splitserve_worker.server.handoff import DecodeHandoff
 from splitserve_worker.server.prefill import PrefillRunner
 from splitserve_worker.server.push_sink import start_push_server
 from splitserve_worker.server.service import WorkerService, add_to_server
-from splitserve_worker.server.wire import SERVER_OPTIONS
 
 
 @dataclass
