@@ -255,9 +255,14 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace, tmp: str) -> None:
-    from splitserve_worker.models import resolve_model, save_tiny_llama
+    from splitserve_worker.models import resolve_model
 
     if args.model == "tiny":
+        from support_path import use_test_support
+
+        use_test_support()
+        from tiny_models import save_tiny_llama
+
         path = str(save_tiny_llama(Path(tmp) / "tiny", seed=args.seed, **TINY))
     else:
         path = str(resolve_model(args.model))

@@ -32,9 +32,10 @@ from splitserve_worker.client import WorkerClient
 from splitserve_worker.commands.up import WorkerProcs
 from splitserve_worker.engine import Engine, EngineConfig
 from splitserve_worker.kv.transport import unavailable_reason
-from splitserve_worker.models import load_model, save_tiny_llama
+from splitserve_worker.models import load_model
 from splitserve_worker.router.discovery import WorkerEndpoint
 from stack_kit import ALWAYS_REMOTE, router
+from tiny_models import save_tiny_llama
 from worker_kit import all_free, collect, prompt_of, split_request
 
 pytestmark = [
