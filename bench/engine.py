@@ -32,10 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from splitserve.sampling import SamplingParams
 from splitserve_worker.engine.async_engine import AsyncEngine
 from splitserve_worker.engine.config import EngineConfig
 from splitserve_worker.engine.engine import Engine
-from splitserve_worker.engine.sampling import SamplingParams
 from splitserve_worker.models import BUILTIN_MODEL, LoadedModel, load_model
 
 DECODE_PROMPT_LEN = 64

@@ -46,7 +46,7 @@ def _spawn_worker(model: str, role: str, backend: str) -> tuple[subprocess.Popen
 
 def bench_exposed(model: str, backend: str, repeats: int, prompt_len: int) -> float:
     from splitserve.v1 import worker_pb2 as pb
-    from splitserve_worker.server.client import WorkerClient
+    from splitserve_worker.client import WorkerClient
 
     procs = [_spawn_worker(model, role, backend) for role in ("prefill", "decode")]
     sp = pb.SamplingParams(max_tokens=2, ignore_eos=True)

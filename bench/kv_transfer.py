@@ -131,6 +131,7 @@ def _kv_receiver(backend: str, q_out: Any, q_in: Any) -> None:
 
 async def _kv_receiver_async(backend: str, q_out: Any, q_in: Any) -> None:
     import grpc
+    from splitserve.grpc_options import SERVER_OPTIONS
     from splitserve.metric_registry import Metrics
     from splitserve_worker.kv.layout import PoolView
     from splitserve_worker.kv.lease import LeaseTable
@@ -139,7 +140,6 @@ async def _kv_receiver_async(backend: str, q_out: Any, q_in: Any) -> None:
     from splitserve_worker.server.handoff import DecodeHandoff
     from splitserve_worker.server.push_sink import start_push_server
     from splitserve_worker.server.service import WorkerService, add_to_server
-    from splitserve_worker.server.wire import SERVER_OPTIONS
 
     pool = _pool()
     leases = LeaseTable()

@@ -270,7 +270,10 @@ def main() -> int:
     tmp = tempfile.TemporaryDirectory(prefix="splitserve-load-")
     model = args.model
     if model is None:
-        from splitserve_worker.models import save_tiny_llama
+        from support_path import use_test_support
+
+        use_test_support()
+        from tiny_models import save_tiny_llama
 
         model = str(save_tiny_llama(Path(tmp.name) / "tiny"))
     roles = [Role.BOTH] if args.colocated else [Role.PREFILL, Role.DECODE]

@@ -21,8 +21,8 @@ import random
 import statistics
 import time
 
+from splitserve.prefix_hash import block_hashes
 from splitserve.roles import Role
-from splitserve_worker.engine.prefix_cache import block_hashes
 from splitserve_worker.router.config import RouterConfig
 from splitserve_worker.router.planner import RoutePlanner
 from splitserve_worker.router.scoring import WorkerView

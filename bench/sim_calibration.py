@@ -102,9 +102,9 @@ def measure_engine(model: str, seed: int) -> tuple[list, list, int]:
     (tokens, s), the decode samples (batch, context sum, s per step) and the
     engine's KV capacity in tokens."""
     import torch
+    from splitserve.sampling import SamplingParams
     from splitserve_worker.engine.config import EngineConfig
     from splitserve_worker.engine.engine import Engine
-    from splitserve_worker.engine.sampling import SamplingParams
     from splitserve_worker.models import load_model
 
     torch.set_num_threads(THREADS)
@@ -256,9 +256,14 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace, tmp: str) -> None:
-    from splitserve_worker.models import resolve_model, save_tiny_llama
+    from splitserve_worker.models import resolve_model
 
     if args.model == "tiny":
+        from support_path import use_test_support
+
+        use_test_support()
+        from tiny_models import save_tiny_llama
+
         path = str(save_tiny_llama(Path(tmp) / "tiny", seed=args.seed, **TINY))
     else:
         path = str(resolve_model(args.model))

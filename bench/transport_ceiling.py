@@ -45,7 +45,7 @@ METHOD = "/bench.Sink/Push"
 
 
 def _server(requests: Any, replies: Any) -> None:
-    from splitserve_worker.server.wire import SERVER_OPTIONS
+    from splitserve.grpc_options import SERVER_OPTIONS
 
     def push(messages: Any, context: Any) -> bytes:
         return str(sum(len(m) for m in messages)).encode()
@@ -80,7 +80,7 @@ class BareGrpc:
 
     def run(self, streams: int) -> tuple[float, float, float]:
         """(seconds, client CPU seconds, server CPU seconds) of one 256 MiB push."""
-        from splitserve_worker.server.wire import CHANNEL_OPTIONS
+        from splitserve.grpc_options import CHANNEL_OPTIONS
 
         channels = [
             grpc.insecure_channel(self.address, options=[*CHANNEL_OPTIONS, ("bench.id", i)])

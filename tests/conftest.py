@@ -20,7 +20,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small random Llama checkpoint (float32) saved with save_pretrained, for every test."""
-    from splitserve_worker.models import save_tiny_llama
+    from tiny_models import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
@@ -28,6 +28,6 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_path_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same architecture saved in bfloat16, for dtype tests."""
-    from splitserve_worker.models import save_tiny_llama
+    from tiny_models import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-bf16"), dtype="bfloat16")

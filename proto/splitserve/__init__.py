@@ -7,6 +7,13 @@ must agree on, and nothing else.
   exports, read by the workers that export them and by the operator's planner queries,
   dashboards and alerts.
 - :mod:`splitserve.roles`: the roles a worker serves.
+- :mod:`splitserve.sampling`: a request's sampling parameters and their bounds, built by
+  the router, sent by the worker client, read back by the worker and followed by the
+  engine's sampler.
+- :mod:`splitserve.prefix_hash`: the chained hash of KV blocks, computed alike by the
+  engine (naming cached blocks) and the router (finding who holds a prefix).
+- :mod:`splitserve.grpc_options`: the channel and server options and the token metadata
+  every gRPC client and server of the worker contract uses.
 
 Modules here import the standard library only (``v1`` also needs protobuf and grpcio),
 so either side can use them without the other's dependencies.

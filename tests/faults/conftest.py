@@ -136,9 +136,9 @@ def describe(outcomes: Sequence[Outcome]) -> str:
 
 def reference_tokens(model: Path, prompts: Sequence[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy tokens of each prompt on one in-process engine (no handoff, no fault)."""
+    from splitserve.sampling import SamplingParams
     from splitserve_worker.engine.config import EngineConfig
     from splitserve_worker.engine.engine import Engine
-    from splitserve_worker.engine.sampling import SamplingParams
     from splitserve_worker.models import load_model
 
     engine = Engine(load_model(str(model)), EngineConfig(num_blocks=1024, num_threads=1))

@@ -18,8 +18,8 @@ import grpc
 import httpx
 import pytest
 from splitserve.roles import Role
+from splitserve_worker.client import WorkerClient
 from splitserve_worker.kv.faults import ENV_FAIL, ENV_SEED
-from splitserve_worker.server.client import WorkerClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

@@ -26,16 +26,17 @@ import httpx
 import pytest
 import torch
 from splitserve.roles import Role
+from splitserve.sampling import SamplingParams
 from splitserve.v1 import worker_pb2 as pb
+from splitserve_worker.client import WorkerClient
 from splitserve_worker.commands.up import WorkerProcs
 from splitserve_worker.engine.config import EngineConfig
 from splitserve_worker.engine.engine import Engine
-from splitserve_worker.engine.sampling import SamplingParams
 from splitserve_worker.kv.transport import unavailable_reason
-from splitserve_worker.models import load_model, save_tiny_llama
+from splitserve_worker.models import load_model
 from splitserve_worker.router.discovery import WorkerEndpoint
-from splitserve_worker.server.client import WorkerClient
 from stack_kit import ALWAYS_REMOTE, router
+from tiny_models import save_tiny_llama
 from worker_kit import all_free, collect, prompt_of, split_request
 
 pytestmark = [

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from splitserve.sampling import SamplingParams
 from splitserve_worker.engine.async_engine import AsyncEngine
 from splitserve_worker.engine.config import EngineConfig
 from splitserve_worker.engine.engine import Engine
 from splitserve_worker.engine.errors import RequestError
-from splitserve_worker.engine.sampling import SamplingParams
 from splitserve_worker.models import LoadedModel, load_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from splitserve.sampling import SamplingParams
 from splitserve_worker.engine.config import EngineConfig
 from splitserve_worker.engine.engine import Engine
-from splitserve_worker.engine.sampling import SamplingParams
 from splitserve_worker.models import LoadedModel, load_model
 
 pytestmark = pytest.mark.integration

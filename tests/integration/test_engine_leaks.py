@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from splitserve import metric_names as names
 from splitserve.metric_registry import Metrics
+from splitserve.sampling import SamplingParams
 from splitserve_worker.engine.config import EngineConfig
 from splitserve_worker.engine.engine import Engine
 from splitserve_worker.engine.errors import NoCapacity, RequestError
-from splitserve_worker.engine.sampling import SamplingParams
 from splitserve_worker.models import LoadedModel, load_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from splitserve.sampling import SamplingParams
 from splitserve_worker.engine.config import EngineConfig
 from splitserve_worker.engine.engine import Engine
 from splitserve_worker.engine.model_runner import Chunk
 from splitserve_worker.engine.prompt_logprobs import PromptLogprobs
-from splitserve_worker.engine.sampling import SamplingParams
 from splitserve_worker.engine.sequence import RequestOutput
 from splitserve_worker.models import LoadedModel, load_model
 

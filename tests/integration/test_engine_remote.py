@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from splitserve.sampling import SamplingParams
 from splitserve_worker.engine.config import EngineConfig
 from splitserve_worker.engine.engine import Engine
 from splitserve_worker.engine.errors import NoCapacity, RequestError, UnknownRequest
 from splitserve_worker.engine.prefix_cache import EventKind
-from splitserve_worker.engine.sampling import SamplingParams
 from splitserve_worker.models import LoadedModel, load_model
 
 pytestmark = pytest.mark.integration

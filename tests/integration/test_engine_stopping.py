@@ -9,11 +9,11 @@ import pytest
 import torch
 from splitserve import metric_names as names
 from splitserve.metric_registry import Metrics
+from splitserve.sampling import SamplingParams
 from splitserve_worker.engine.config import EngineConfig
 from splitserve_worker.engine.engine import Engine
 from splitserve_worker.engine.errors import RequestError
 from splitserve_worker.engine.prefix_cache import EventKind
-from splitserve_worker.engine.sampling import SamplingParams
 from splitserve_worker.engine.sequence import RequestOutput
 from splitserve_worker.models import LoadedModel, load_model
 

@@ -22,11 +22,11 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from splitserve.grpc_options import auth_metadata
 from splitserve.v1 import worker_pb2 as pb
+from splitserve_worker.client import WorkerClient
 from splitserve_worker.server.app import RunningWorker, start_worker
-from splitserve_worker.server.client import WorkerClient
 from splitserve_worker.server.config import WorkerConfig
-from splitserve_worker.server.wire import auth_metadata
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -118,7 +118,6 @@ def test_malformed_calls_are_refused_while_a_good_request_completes(tiny_model_p
         prompt = prompt_of(70)
         want = await local(d, "ref", prompt)
         base_d, base_p = await d.health(), await p.health()
-        stub = d._stub  # raw calls: the client helpers would refuse to build these
         compat = base_d.compat
         # a reservation the malformed pushes aim at
         h = await d.reserve("victim", 40)
@@ -132,19 +131,15 @@ def test_malformed_calls_are_refused_while_a_good_request_completes(tiny_model_p
             ("reserve huge", lambda: d.reserve("huge", 2**31 - 1)),
             ("reserve bad backend", lambda: d.reserve("bk", 10, kv_backend="carrier-pigeon")),
             ("reserve twice", lambda: d.reserve("victim", 10)),
-            ("reserve wrong compat", lambda: stub.Reserve(pb.ReserveRequest(
-                request_id="cx", num_prompt_tokens=8,
-                compat=pb.CompatInfo(hash="0" * 64, model="other", dtype="float16")),
-                metadata=MD)),
-            ("push unknown request", lambda: stub.PushKV(pushes(pb.KVLayer(
+            ("reserve wrong compat", lambda: d.reserve("cx", 8, compat=pb.CompatInfo(
+                hash="0" * 64, model="other", dtype="float16"))),
+            ("push unknown request", lambda: d.push_kv(pushes(pb.KVLayer(
                 request_id="nobody", lease_id="x", compat_hash=compat.hash, num_tokens=1,
-                data=b"\0" * token_bytes))(), metadata=MD)),
-            ("push wrong lease", lambda: stub.PushKV(pushes(pb.KVLayer(
-                **{**ok, "lease_id": "forged"}, num_tokens=1, data=b"\0" * token_bytes))(),
-                metadata=MD)),
-            ("push no compat", lambda: stub.PushKV(pushes(pb.KVLayer(
-                **{**ok, "compat_hash": ""}, num_tokens=1, data=b"\0" * token_bytes))(),
-                metadata=MD)),
+                data=b"\0" * token_bytes))())),
+            ("push wrong lease", lambda: d.push_kv(pushes(pb.KVLayer(
+                **{**ok, "lease_id": "forged"}, num_tokens=1, data=b"\0" * token_bytes))())),
+            ("push no compat", lambda: d.push_kv(pushes(pb.KVLayer(
+                **{**ok, "compat_hash": ""}, num_tokens=1, data=b"\0" * token_bytes))())),
         ]  # fmt: skip
         for what, call in bad_calls:  # made one at a time: an aio call starts when made
             await refused(call(), what)
@@ -168,7 +163,7 @@ def test_malformed_calls_are_refused_while_a_good_request_completes(tiny_model_p
             h = await d.reserve(f"victim-{i}", 40)
             msg = pb.KVLayer(request_id=f"victim-{i}", lease_id=h.lease_id,
                              compat_hash=compat.hash, **fields)  # fmt: skip
-            code = await refused(stub.PushKV(pushes(msg)(), metadata=MD), f"push {what}")
+            code = await refused(d.push_kv(pushes(msg)()), f"push {what}")
             assert code is not grpc.StatusCode.NOT_FOUND, f"push {what}: {code}"
             for _ in range(100):
                 h_now = await d.health()
@@ -195,12 +190,13 @@ def test_malformed_calls_are_refused_while_a_good_request_completes(tiny_model_p
         for what, req in gen_cases:
 
             async def drain(r: pb.GenerateRequest = req) -> None:
-                async for _ in stub.Generate(r, metadata=MD):
+                stream = d.generate(r.request_id, r.prompt_token_ids, r.sampling,
+                                    r.expect_remote_kv)  # fmt: skip
+                async for _ in stream:
                     pass
 
             await refused(drain(), f"generate {what}")
-        await refused(stub.Commit(pb.CommitRequest(request_id="nobody", lease_id="x"),
-                                  metadata=MD), "commit unknown")  # fmt: skip
+        await refused(d.commit("nobody", "x", 0), "commit unknown")
         # a handle whose numbers do not add up, sent to the prefill worker
         hp = await d.reserve("ph", 10)
         bad_prefills = [
@@ -217,7 +213,8 @@ def test_malformed_calls_are_refused_while_a_good_request_completes(tiny_model_p
                 request_id="ph", handle=hp, prompt_token_ids=[5] * 9 + [10**7], sampling=SP)),
         ]  # fmt: skip
         for what, preq in bad_prefills:
-            await refused(p._stub.Prefill(preq, metadata=MD), what)
+            await refused(p.prefill(preq.request_id, preq.prompt_token_ids, preq.sampling,
+                                    preq.handle), what)  # fmt: skip
         await d.release("ph")
         # a handle pointing nowhere: the push cannot start, the prefill worker says so
         for nowhere in ("127.0.0.1:1", "no-such-host.invalid:7000"):
@@ -227,7 +224,8 @@ def test_malformed_calls_are_refused_while_a_good_request_completes(tiny_model_p
                                          num_prompt_tokens=10, compat=compat,
                                          lease_id="x", block_ids=[0]))  # fmt: skip
             try:
-                await p._stub.Prefill(preq, metadata=MD, timeout=60)
+                await p.prefill(preq.request_id, preq.prompt_token_ids, preq.sampling,
+                                preq.handle, timeout=60)  # fmt: skip
                 raise AssertionError(f"a push to {nowhere} succeeded")
             except grpc.aio.AioRpcError as e:
                 assert e.code() is grpc.StatusCode.UNAVAILABLE and e.details(), (nowhere, e)
@@ -235,28 +233,27 @@ def test_malformed_calls_are_refused_while_a_good_request_completes(tiny_model_p
         await d.reserve("never", 8)
 
         async def never() -> None:
-            req = pb.GenerateRequest(request_id="never", prompt_token_ids=[5] * 8,
-                                     sampling=SP, expect_remote_kv=True)  # fmt: skip
-            async for _ in stub.Generate(req, metadata=MD, timeout=30):
+            async for _ in d.generate("never", [5] * 8, SP, expect_remote_kv=True, timeout=30):
                 pass
 
         assert await refused(never(), "never pushed") is grpc.StatusCode.DEADLINE_EXCEEDED
-        # whole messages of garbage bytes
-        for method in ("Reserve", "Commit", "Generate", "Release", "Cancel"):
-            raw = d._channel.unary_unary(
-                f"/splitserve.v1.Worker/{method}",
-                request_serializer=lambda b: b,
-                response_deserializer=lambda b: b,
-            )
-            try:
-                await raw(b"\xff\xfe\x00garbage" + os.urandom(32), metadata=MD, timeout=5)
-            except grpc.aio.AioRpcError as e:
-                # grpcio answers an unparsable message itself (UNKNOWN), naming the cause
-                if e.code() not in CLEAR:
-                    assert e.code() is grpc.StatusCode.UNKNOWN, (method, e)
-                    assert "Error parsing message" in (e.details() or ""), (method, e)
-            else:
-                raise AssertionError(f"{method}: garbage bytes were accepted")
+        # whole messages of garbage bytes: not messages at all, so on a bare channel
+        async with grpc.aio.insecure_channel(d.address) as channel:
+            for method in ("Reserve", "Commit", "Generate", "Release", "Cancel"):
+                raw = channel.unary_unary(
+                    f"/splitserve.v1.Worker/{method}",
+                    request_serializer=lambda b: b,
+                    response_deserializer=lambda b: b,
+                )
+                try:
+                    await raw(b"\xff\xfe\x00garbage" + os.urandom(32), metadata=MD, timeout=5)
+                except grpc.aio.AioRpcError as e:
+                    # grpcio answers an unparsable message itself (UNKNOWN), naming the cause
+                    if e.code() not in CLEAR:
+                        assert e.code() is grpc.StatusCode.UNKNOWN, (method, e)
+                        assert "Error parsing message" in (e.details() or ""), (method, e)
+                else:
+                    raise AssertionError(f"{method}: garbage bytes were accepted")
         assert await good == want, "the good request decoded different tokens"
         await settle(d, base_d.free_blocks)
         await settle(p, base_p.free_blocks)
@@ -332,7 +329,7 @@ def test_any_kv_layer_is_placed_or_refused_clearly_and_never_leaks(
                      and num_tokens == data_tokens and extra_bytes == 0
                      and start_token >= 0 and start_token + num_tokens <= 40)  # fmt: skip
             try:
-                ack = await d._stub.PushKV(pushes(msg)(), metadata=MD, timeout=10)
+                ack = await d.push_kv(pushes(msg)(), timeout=10)
             except grpc.aio.AioRpcError as e:
                 assert e.code() in CLEAR and e.details(), (e.code(), e.details())
                 assert not valid or num_tokens == 0, f"a valid span was refused: {e.details()}"

@@ -17,14 +17,12 @@ from typing import Any
 import grpc
 import pytest
 from splitserve.v1 import worker_pb2 as pb
-from splitserve.v1 import worker_pb2_grpc
+from splitserve_worker.client import WorkerClient
 from splitserve_worker.kv.faults import FaultConfig
 from splitserve_worker.kv.nixl_common import loopback_env
 from splitserve_worker.kv.transport import unavailable_reason
 from splitserve_worker.server.app import RunningWorker, start_worker
-from splitserve_worker.server.client import WorkerClient
 from splitserve_worker.server.config import WorkerConfig
-from splitserve_worker.server.wire import auth_metadata
 from worker_kit import all_free
 
 pytestmark = pytest.mark.integration
@@ -182,17 +180,15 @@ def test_compat_mismatch_is_refused_naming_the_difference(tiny_model_path: Path)
 
             # and the stream itself is checked again
             handle = await d.reserve("z", 10)
-            async with grpc.aio.insecure_channel(ws[1].address) as ch:
-                stub = worker_pb2_grpc.WorkerStub(ch)
 
-                async def bad() -> AsyncIterator[pb.KVLayer]:
-                    yield pb.KVLayer(request_id="z", lease_id=handle.lease_id, layer=0,
-                                     num_tokens=0, compat_hash="deadbeef")  # fmt: skip
+            async def bad() -> AsyncIterator[pb.KVLayer]:
+                yield pb.KVLayer(request_id="z", lease_id=handle.lease_id, layer=0,
+                                 num_tokens=0, compat_hash="deadbeef")  # fmt: skip
 
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await stub.PushKV(bad(), metadata=auth_metadata(TOKEN))
-                assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
-                assert "compat hash deadbeef differs" in (e.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await d.push_kv(bad())
+            assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert "compat hash deadbeef differs" in (e.value.details() or "")
             h = await all_free(d)
             assert h.free_blocks == h.total_blocks
 
@@ -279,7 +275,7 @@ def test_roles_refuse_calls_they_do_not_serve(tiny_model_path: Path) -> None:
 
 
 def test_events_stream_prefix_cache_stores(tiny_model_path: Path) -> None:
-    from splitserve_worker.engine.prefix_cache import block_hashes
+    from splitserve.prefix_hash import block_hashes
 
     prompt = prompt_of(40)
     want = {h & 0xFFFFFFFFFFFFFFFF for h in block_hashes(prompt, 16)}

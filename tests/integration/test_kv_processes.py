@@ -20,9 +20,9 @@ from pathlib import Path
 import grpc
 import pytest
 from splitserve.v1 import worker_pb2 as pb
+from splitserve_worker.client import WorkerClient
 from splitserve_worker.kv.nixl_common import loopback_tls
 from splitserve_worker.kv.transport import unavailable_reason
-from splitserve_worker.server.client import WorkerClient
 from worker_kit import all_free, collect, prompt_of, split_request
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

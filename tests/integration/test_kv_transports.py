@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from splitserve.grpc_options import SERVER_OPTIONS
 from splitserve.metric_registry import Metrics
 from splitserve_worker.kv import grpc_backend
 from splitserve_worker.kv.compat import Compat
@@ -34,7 +35,6 @@ from splitserve_worker.server.auth import TokenAuthInterceptor
 from splitserve_worker.server.handoff import DecodeHandoff
 from splitserve_worker.server.push_sink import start_push_server
 from splitserve_worker.server.service import WorkerService, add_to_server
-from splitserve_worker.server.wire import SERVER_OPTIONS
 
 pytestmark = pytest.mark.integration
 loopback_env()

@@ -9,12 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from splitserve_worker.models import (
-    ModelError,
-    load_model,
-    resolve_model,
-    save_tiny_llama,
-)
+from splitserve_worker.models import ModelError, load_model, resolve_model
+from tiny_models import save_tiny_llama
 
 pytestmark = pytest.mark.integration
 

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from splitserve.roles import Role
+from splitserve_worker.client import WorkerClient
 from splitserve_worker.commands.up import WorkerProcs
 from splitserve_worker.router.config import (
     QueueConfig,
@@ -26,7 +27,6 @@ from splitserve_worker.router.config import (
 from splitserve_worker.router.discovery import StaticDiscovery, WorkerEndpoint
 from splitserve_worker.router.local import RouterThread
 from splitserve_worker.router.service import RouterService
-from splitserve_worker.server.client import WorkerClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

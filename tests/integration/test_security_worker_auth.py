@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+from splitserve.grpc_options import auth_metadata
 from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.router.app import create_app
 from splitserve_worker.router.config import RouterConfig
@@ -20,7 +21,6 @@ from splitserve_worker.router.discovery import StaticDiscovery
 from splitserve_worker.router.service import RouterService
 from splitserve_worker.server.app import start_worker
 from splitserve_worker.server.config import WorkerConfig
-from splitserve_worker.server.wire import auth_metadata
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

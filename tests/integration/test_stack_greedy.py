@@ -264,7 +264,7 @@ def test_chat_and_text_prompt_through_disaggregated_stack(
 def test_prefix_index_follows_the_workers_block_events(
     workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any
 ) -> None:
-    from splitserve_worker.engine.prefix_cache import block_hashes
+    from splitserve.prefix_hash import block_hashes
 
     prefill = next(e for e in workers[1] if e.role is Role.PREFILL)
     prompt = [(i * 13) % 200 + 7 for i in range(70)]  # 4 full blocks of 16

@@ -29,9 +29,9 @@ from unittest import mock
 import httpx
 from splitserve.roles import Role
 from splitserve.v1 import worker_pb2 as pb
+from splitserve_worker.client import WorkerClient
 from splitserve_worker.commands.up import WorkerProc, WorkerProcs
 from splitserve_worker.kv.faults import ENV_HOLD_DIR, hold_files
-from splitserve_worker.server.client import WorkerClient
 
 LEASE_S = 3.0
 """Lease on reserved blocks (workers and router); faults are judged against it."""

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from splitserve.v1 import worker_pb2 as pb
-from splitserve_worker.server.client import WorkerClient
+from splitserve_worker.client import WorkerClient
 
 
 def prompt_of(n: int) -> list[int]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from splitserve.prefix_hash import block_hashes, hash_block
 from splitserve_worker.engine.block_pool import BlockPool
 from splitserve_worker.engine.errors import NoCapacity
-from splitserve_worker.engine.prefix_cache import EventKind, block_hashes, hash_block
+from splitserve_worker.engine.prefix_cache import EventKind
 
 pytestmark = pytest.mark.unit
 

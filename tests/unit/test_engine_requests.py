@@ -7,12 +7,12 @@ import pytest
 import torch
 from splitserve import metric_names as names
 from splitserve.metric_registry import Metrics
+from splitserve.sampling import SamplingParams
 from splitserve_worker.engine.config import EngineConfig
 from splitserve_worker.engine.errors import NoCapacity, RequestError, UnknownRequest
 from splitserve_worker.engine.kv_cache import KVCache
 from splitserve_worker.engine.metrics import EngineMetrics
 from splitserve_worker.engine.requests import RequestLimits, RequestTable
-from splitserve_worker.engine.sampling import SamplingParams
 from splitserve_worker.engine.scheduler import Scheduler
 from splitserve_worker.engine.sequence import FinishReason
 

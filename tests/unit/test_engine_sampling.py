@@ -1,50 +1,15 @@
-"""Sampling parameters are checked; the sampler honours penalties, greedy, top-k, top-p,
-min-p, logit bias and seeds."""
+"""The sampler honours penalties, greedy, top-k, top-p, min-p, logit bias and seeds (the
+parameters' own checks are tested with the contract, in test_contract_sampling.py)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from splitserve.sampling import SamplingParams
 from splitserve_worker.engine.config import EngineConfig
-from splitserve_worker.engine.errors import RequestError
-from splitserve_worker.engine.sampling import SampleRow, SamplingParams, apply_penalties, sample
+from splitserve_worker.engine.sampling import SampleRow, apply_penalties, make_generator, sample
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.mark.parametrize(
-    ("params", "message"),
-    [
-        (SamplingParams(temperature=-1), "temperature"),
-        (SamplingParams(temperature=math.nan), "temperature"),
-        (SamplingParams(top_p=0), "top_p"),
-        (SamplingParams(top_p=1.5), "top_p"),
-        (SamplingParams(top_k=-1), "top_k"),
-        (SamplingParams(max_tokens=0), "max_tokens"),
-        (SamplingParams(max_tokens=2, min_tokens=3), "min_tokens"),
-        (SamplingParams(stop=("",)), "stop strings"),
-        (SamplingParams(stop_token_ids=(-1,)), "stop_token_ids"),
-        (SamplingParams(min_p=1.5), "min_p"),
-        (SamplingParams(presence_penalty=2.5), "presence_penalty"),
-        (SamplingParams(frequency_penalty=-3), "frequency_penalty"),
-        (SamplingParams(repetition_penalty=0), "repetition_penalty"),
-        (SamplingParams(repetition_penalty=math.inf), "repetition_penalty"),
-        (SamplingParams(resumed_tokens=-1), "resumed_tokens"),
-        (SamplingParams(top_logprobs=21), "top_logprobs"),
-        (SamplingParams(logit_bias=((-1, 1.0),)), "logit_bias"),
-        (SamplingParams(logit_bias=((4, 100.5),)), "logit_bias"),
-        (SamplingParams(logit_bias=((4, math.nan),)), "logit_bias"),
-    ],
-)
-def test_bad_parameters_name_the_field(params: SamplingParams, message: str) -> None:
-    with pytest.raises(RequestError, match=message):
-        params.validate()
-
-
-def test_good_parameters_pass() -> None:
-    SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=3, max_tokens=5).validate()
 
 
 def test_greedy_picks_argmax_and_logprob_is_the_models() -> None:
@@ -63,7 +28,7 @@ def test_suppressed_tokens_are_never_chosen() -> None:
 
 def _draws(p: SamplingParams, n: int = 300) -> set[int]:
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]])
-    g = p.make_generator("cpu")
+    g = make_generator(p, "cpu")
     return {sample(logits, [SampleRow(p, g)])[0][0] for _ in range(n)}
 
 
@@ -78,9 +43,9 @@ def test_seeded_rows_do_not_depend_on_their_neighbours() -> None:
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
     p = SamplingParams(temperature=1.0, seed=11)
-    alone = [sample(logits[2:3], [SampleRow(p, p.make_generator("cpu"))])[0][0]]
+    alone = [sample(logits[2:3], [SampleRow(p, make_generator(p, "cpu"))])[0][0]]
     others = [SampleRow(SamplingParams(temperature=1.0), None) for _ in range(2)]
-    batched = sample(logits[1:4], [others[0], SampleRow(p, p.make_generator("cpu")), others[1]])
+    batched = sample(logits[1:4], [others[0], SampleRow(p, make_generator(p, "cpu")), others[1]])
     assert batched[0][1] == alone[0]
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from splitserve.sampling import SamplingParams
 from splitserve_worker.engine.block_pool import BlockPool
 from splitserve_worker.engine.config import EngineConfig
-from splitserve_worker.engine.sampling import SamplingParams
 from splitserve_worker.engine.scheduler import Scheduler
 from splitserve_worker.engine.sequence import SeqStatus, Sequence
 

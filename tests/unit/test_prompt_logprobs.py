@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from splitserve.sampling import SamplingParams
 from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.engine.prompt_logprobs import (
     ChunkScores,
@@ -16,7 +17,7 @@ from splitserve_worker.engine.prompt_logprobs import (
 )
 from splitserve_worker.router.responses import Job, final_choice, logprobs_of
 from splitserve_worker.router.text import Detokenizer
-from splitserve_worker.router.worker_client import PromptScores, Sampling
+from splitserve_worker.router.worker_conn import PromptScores
 from splitserve_worker.server.convert import prompt_logprobs_to_proto
 
 pytestmark = pytest.mark.unit
@@ -89,7 +90,7 @@ class _Tok:
 
 def _job(top: int, prompt_logprobs: int | None = None) -> Job:
     return Job(id="cmpl-1", kind="text_completion", model="m", prompt=(1, 2, 3),
-               sampling=Sampling(top_logprobs=top), detok=Detokenizer(_Tok(), ()),
+               sampling=SamplingParams(top_logprobs=top), detok=Detokenizer(_Tok(), ()),
                want_logprobs=True, return_token_ids=False, stream=False, echo_logprobs=True,
                prompt_logprobs=prompt_logprobs)  # fmt: skip
 

@@ -246,6 +246,31 @@ def test_api_key(tokenizer: Any) -> None:
         assert c.get("/health").status_code == 503  # open, and says no worker is ready
 
 
+def test_every_route_needs_the_key_unless_documented_open(tokenizer: Any) -> None:
+    """Each route of the app, found by walking ``app.routes`` (so a new one cannot
+    escape), is refused without the key and served with it, unless it is one of the
+    documented open routes; every documented open route exists and answers without it."""
+    from splitserve_worker.router.app import OPEN_PATHS
+
+    key = {"Authorization": "Bearer s3cret"}
+    with make_client(tokenizer, api_key="s3cret") as c:
+        app: Any = c.app
+        routes = [(m, r.path) for r in app.routes for m in sorted(getattr(r, "methods", ()))]
+        paths = {p for _, p in routes}
+        assert {"/v1/completions", "/detokenize", "/v1/models/{model_id:path}"} <= paths
+        assert paths >= OPEN_PATHS, f"open routes the app does not have: {OPEN_PATHS - paths}"
+        open_now = set()
+        for method, path in routes:
+            url = path.replace("{model_id:path}", "tiny")
+            without = c.request(method, url)
+            if without.status_code != 401:
+                open_now.add(path)
+                continue
+            assert without.json()["error"]["code"] == "invalid_api_key", (method, path)
+            assert c.request(method, url, headers=key).status_code != 401, (method, path)
+        assert open_now == OPEN_PATHS, "routes served without the key: document them or guard them"
+
+
 def test_tokenize_and_detokenize_use_the_served_tokenizer(tokenizer: Any) -> None:
     """vLLM's ``/tokenize`` and ``/detokenize``: the ids completions and chat would send."""
     from splitserve_worker.router.api_models import ChatTemplating

@@ -15,6 +15,7 @@ import grpc
 import pytest
 from splitserve.metric_registry import Metrics
 from splitserve.roles import Role
+from splitserve.sampling import SamplingParams
 from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.router.config import QueueConfig, RouterConfig, TimeoutConfig
 from splitserve_worker.router.discovery import WorkerEndpoint
@@ -22,7 +23,6 @@ from splitserve_worker.router.dispatch import Dispatcher, GenRequest
 from splitserve_worker.router.failures import RequestFailed
 from splitserve_worker.router.planner import RoutePlanner
 from splitserve_worker.router.pool import WorkerPool
-from splitserve_worker.router.worker_client import Sampling
 
 pytestmark = pytest.mark.unit
 
@@ -83,7 +83,7 @@ class MemWorker:
         self,
         request_id: str,
         prompt: Sequence[int],
-        sampling: Sampling,
+        sampling: SamplingParams,
         handle: Any,
         timeout: float,
     ) -> pb.PrefillResponse:
@@ -98,7 +98,7 @@ class MemWorker:
         self,
         request_id: str,
         prompt: Sequence[int],
-        sampling: Sampling,
+        sampling: SamplingParams,
         expect_remote_kv: bool,
         timeout: float,
     ) -> AsyncIterator[pb.TokenChunk]:
@@ -139,7 +139,7 @@ async def make(workers: list[MemWorker], **cfg: Any) -> Dispatcher:
 
 async def run(d: Dispatcher, prompt: list[int], n: int) -> list[int]:
     out: list[int] = []
-    async for ev in d.generate(GenRequest("r", tuple(prompt), Sampling(max_tokens=n))):
+    async for ev in d.generate(GenRequest("r", tuple(prompt), SamplingParams(max_tokens=n))):
         out += ev.token_ids
     await d.drain()
     return out
@@ -195,7 +195,7 @@ async def test_worker_lost_while_waiting_for_a_prefill_slot_is_planned_around() 
         await asyncio.sleep(0.001)
     target = "d1" if p1.prefilled[0] not in d1.reserved else "d2"
     second = asyncio.create_task(
-        _collect(disp.generate(GenRequest("s", (4, 5), Sampling(max_tokens=3))))
+        _collect(disp.generate(GenRequest("s", (4, 5), SamplingParams(max_tokens=3))))
     )
     while disp.prefill_stage.waiting == 0:
         await asyncio.sleep(0.001)
@@ -256,7 +256,7 @@ async def test_bad_request_on_the_worker_is_not_retried() -> None:
 async def test_consumer_leaving_early_cancels_on_every_worker() -> None:
     p1, d1 = MemWorker("p1", "prefill"), MemWorker("d1", "decode")
     disp = await make([p1, d1], disaggregation=REMOTE)
-    gen = disp.generate(GenRequest("r", (1, 2, 3), Sampling(max_tokens=50)))
+    gen = disp.generate(GenRequest("r", (1, 2, 3), SamplingParams(max_tokens=50)))
     async for _ in gen:
         break
     await gen.aclose()
@@ -295,7 +295,7 @@ async def test_requests_queued_for_prefill_spread_over_the_prefill_workers() -> 
     p1.prefill_gate, p2.prefill_gate = asyncio.Event(), asyncio.Event()
     burst = [
         asyncio.create_task(
-            _collect(disp.generate(GenRequest(f"r{i}", (i, i + 1), Sampling(max_tokens=2))))
+            _collect(disp.generate(GenRequest(f"r{i}", (i, i + 1), SamplingParams(max_tokens=2))))
         )
         for i in range(12)
     ]

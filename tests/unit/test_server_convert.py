@@ -1,14 +1,16 @@
-"""Sampling parameters cross the wire whole: every field of the engine's SamplingParams
-survives the proto both ways, so a field added on one side only fails here."""
+"""Sampling parameters cross the wire whole: every field of the contract's SamplingParams
+survives the client's proto and the server's reading of it, so a field added to the
+type but not to the wire (or to one direction only) fails here."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-from splitserve_worker.engine.sampling import SamplingParams
-from splitserve_worker.router.worker_client import Sampling
-from splitserve_worker.server.convert import sampling_from_proto, sampling_to_proto
+from splitserve.sampling import SamplingError, SamplingParams
+from splitserve.v1 import worker_pb2 as pb
+from splitserve_worker.client import sampling_to_proto
+from splitserve_worker.server.convert import sampling_from_proto
 
 pytestmark = pytest.mark.unit
 
@@ -41,18 +43,19 @@ def test_every_field_is_set_to_something_other_than_its_default() -> None:
     assert not same, f"give these a non-default value here: {same}"
 
 
-def test_engine_sampling_params_survive_the_proto() -> None:
+def test_sampling_params_survive_the_proto() -> None:
     assert sampling_from_proto(sampling_to_proto(ALL_SET)) == ALL_SET
 
 
-def test_the_routers_sampling_has_every_engine_field_and_survives_too() -> None:
-    engine_fields = {f.name for f in dataclasses.fields(SamplingParams)}
-    assert {f.name for f in dataclasses.fields(Sampling)} == engine_fields
-    router_side = Sampling(**dataclasses.asdict(ALL_SET))
-    assert sampling_from_proto(sampling_to_proto(router_side)) == ALL_SET
+def test_a_proto_is_sent_as_it_is() -> None:
+    msg = pb.SamplingParams(top_k=-3)  # out of bounds: the worker, not the client, says so
+    assert sampling_to_proto(msg) is msg
+
+
+def test_the_server_checks_what_it_reads() -> None:
+    with pytest.raises(SamplingError, match="top_k"):
+        sampling_from_proto(pb.SamplingParams(top_k=-3))
 
 
 def test_an_empty_proto_means_the_defaults() -> None:
-    from splitserve.v1 import worker_pb2 as pb
-
     assert sampling_from_proto(pb.SamplingParams()) == SamplingParams()

@@ -15,10 +15,11 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from splitserve.sampling import SamplingParams
+
 from splitserve_worker.engine.engine import Engine
 from splitserve_worker.engine.errors import RequestError
 from splitserve_worker.engine.layerwise import LayerCallback
-from splitserve_worker.engine.sampling import SamplingParams
 from splitserve_worker.engine.sequence import FinishReason, PrefillResult, RequestOutput
 
 log = logging.getLogger(__name__)

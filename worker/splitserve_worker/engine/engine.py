@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 from splitserve.metric_registry import Metrics
+from splitserve.prefix_hash import block_hashes
+from splitserve.sampling import SamplingParams
 
 from splitserve_worker.engine import identity
 from splitserve_worker.engine.config import EngineConfig
@@ -19,10 +21,10 @@ from splitserve_worker.engine.kv_cache import KVCache, bytes_per_block
 from splitserve_worker.engine.layerwise import LayerCallback, LayerwisePrefill
 from splitserve_worker.engine.metrics import EngineMetrics
 from splitserve_worker.engine.model_runner import Chunk, ModelRunner, model_shape
-from splitserve_worker.engine.prefix_cache import KVCacheEvent, block_hashes
+from splitserve_worker.engine.prefix_cache import KVCacheEvent
 from splitserve_worker.engine.remote_kv import RemoteAdmission
 from splitserve_worker.engine.requests import RequestLimits, RequestTable
-from splitserve_worker.engine.sampling import SamplingParams, TopLogprobs, sample, top_logprobs
+from splitserve_worker.engine.sampling import TopLogprobs, sample, top_logprobs
 from splitserve_worker.engine.scheduler import Scheduler, StepPlan
 from splitserve_worker.engine.sequence import (
     FinishReason,

@@ -7,13 +7,14 @@ import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
+from splitserve.sampling import SamplingParams
 
 from splitserve_worker.engine.config import EngineConfig
 from splitserve_worker.engine.errors import NoCapacity
 from splitserve_worker.engine.metrics import EngineMetrics
 from splitserve_worker.engine.model_runner import Chunk, ModelRunner
 from splitserve_worker.engine.requests import RequestTable
-from splitserve_worker.engine.sampling import SamplingParams, sample, top_logprobs
+from splitserve_worker.engine.sampling import sample, top_logprobs
 from splitserve_worker.engine.scheduler import Scheduler, blocks_for
 from splitserve_worker.engine.sequence import PrefillResult, SeqStatus, Sequence
 from splitserve_worker.engine.stopping import StopChecker

@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from splitserve.sampling import SamplingParams
 
 from splitserve_worker.engine.config import EngineConfig
 from splitserve_worker.engine.errors import RequestError
 from splitserve_worker.engine.model_runner import ModelRunner
 from splitserve_worker.engine.requests import RequestTable
-from splitserve_worker.engine.sampling import SamplingParams
 from splitserve_worker.engine.scheduler import Scheduler
 from splitserve_worker.engine.stopping import StopChecker
 

@@ -3,8 +3,9 @@ sampling parameters against the model's vocabulary and length and the KV pool's 
 
 from __future__ import annotations
 
+from splitserve.sampling import SamplingError, SamplingParams
+
 from splitserve_worker.engine.errors import RequestError
-from splitserve_worker.engine.sampling import SamplingParams
 from splitserve_worker.engine.scheduler import blocks_for
 
 
@@ -20,7 +21,10 @@ def check_request(
     """Raise :class:`RequestError` saying what is wrong and what to do about it."""
     if not prompt:
         raise RequestError("the prompt is empty: send at least one token")
-    sampling.validate()
+    try:
+        sampling.validate()
+    except SamplingError as e:
+        raise RequestError(str(e)) from None
     for what, ids in (("prompt", prompt), ("logit_bias", [t for t, _ in sampling.logit_bias])):
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:

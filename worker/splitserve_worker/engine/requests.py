@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from splitserve.sampling import SamplingParams
 
 from splitserve_worker.engine.errors import NoCapacity, RequestError
 from splitserve_worker.engine.kv_cache import KVCache
@@ -17,7 +18,7 @@ from splitserve_worker.engine.metrics import EngineMetrics
 from splitserve_worker.engine.prompt_logprobs import PromptLogprobs
 from splitserve_worker.engine.request_checks import check_request
 from splitserve_worker.engine.reservations import Reservation, Reservations
-from splitserve_worker.engine.sampling import SamplingParams
+from splitserve_worker.engine.sampling import make_generator
 from splitserve_worker.engine.scheduler import Scheduler
 from splitserve_worker.engine.sequence import (
     FinishReason,
@@ -88,7 +89,7 @@ class RequestTable:
             prompt_len=len(prompt),
             tokens=list(prompt),
             params=sampling,
-            generator=sampling.make_generator(self.device),
+            generator=make_generator(sampling, self.device),
             arrival=self._arrivals,
             prompt_logprobs=(
                 None if sampling.prompt_logprobs is None else PromptLogprobs.empty(len(prompt))

@@ -6,10 +6,11 @@ import enum
 from dataclasses import dataclass, field
 
 import torch
+from splitserve.prefix_hash import ROOT_HASH, block_hashes
+from splitserve.sampling import SamplingParams
 
-from splitserve_worker.engine.prefix_cache import ROOT_HASH, block_hashes
 from splitserve_worker.engine.prompt_logprobs import ChunkScores, PromptLogprobs, chunk_targets
-from splitserve_worker.engine.sampling import SampleRow, SamplingParams, TopLogprobs
+from splitserve_worker.engine.sampling import SampleRow, TopLogprobs
 
 
 class SeqStatus(enum.Enum):

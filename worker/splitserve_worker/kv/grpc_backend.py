@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from splitserve.grpc_options import auth_metadata
 from splitserve.v1 import worker_pb2
 
 from splitserve_worker.kv import kvwire
@@ -40,7 +41,6 @@ from splitserve_worker.kv.transport import (
     TransferError,
     TransferTarget,
 )
-from splitserve_worker.server.wire import auth_metadata
 
 QUEUE_DEPTH = 16
 """Messages (~4 MiB each) queued between the engine thread and the wire, all streams

@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-from splitserve_worker.request_limits import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+from splitserve.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1

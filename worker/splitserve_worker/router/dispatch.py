@@ -40,7 +40,9 @@ from splitserve.metric_names import (
 )
 from splitserve.metric_registry import Metrics
 from splitserve.roles import DECODE_ROLES, PREFILL_ROLES
+from splitserve.sampling import SamplingParams
 
+from splitserve_worker.client import top_from_proto
 from splitserve_worker.router.config import RouterConfig
 from splitserve_worker.router.failures import (
     LOST_CODES,
@@ -53,8 +55,7 @@ from splitserve_worker.router.failures import (
 from splitserve_worker.router.planner import NoWorker, Plan, RoutePlanner
 from splitserve_worker.router.pool import WorkerPool
 from splitserve_worker.router.queues import Admission, Stage
-from splitserve_worker.router.worker_client import PromptScores, Sampling, WorkerConn
-from splitserve_worker.server.convert import top_from_proto
+from splitserve_worker.router.worker_conn import PromptScores, WorkerConn
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ Hasher = Callable[[Sequence[int]], list[int]]
 class GenRequest:
     request_id: str
     prompt: tuple[int, ...]
-    sampling: Sampling
+    sampling: SamplingParams
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,7 @@ class Dispatcher:
         plan: Plan,
         prompt: tuple[int, ...],
         hashes: Sequence[int],
-        sampling: Sampling,
+        sampling: SamplingParams,
         failed: frozenset[str],
     ) -> AsyncGenerator[TokenEvent, None]:
         t = self.config.timeouts
@@ -310,7 +311,7 @@ class Dispatcher:
         conn: WorkerConn,
         rid: str,
         prompt: tuple[int, ...],
-        sampling: Sampling,
+        sampling: SamplingParams,
         remote: bool,
         queue: asyncio.Queue[Any],
     ) -> asyncio.Task[None]:
@@ -353,7 +354,7 @@ class Dispatcher:
         d_name: str,
         rid: str,
         prompt: tuple[int, ...],
-        sampling: Sampling,
+        sampling: SamplingParams,
         handle: Any,
     ) -> None:
         t = self.config.timeouts

@@ -9,6 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from splitserve_worker.router.failures import RequestFailed
 from splitserve_worker.router.queues import Saturated
 
 _TYPES = {
@@ -69,6 +70,13 @@ def from_saturated(e: Saturated) -> APIError:
         code="queue_full" if e.status == 429 else "queue_timeout",
         headers={"Retry-After": str(e.retry_after_s)},
     )
+
+
+def from_failure(e: Saturated | RequestFailed) -> APIError:
+    """The answer to a request a queue refused or the workers could not serve."""
+    if isinstance(e, Saturated):
+        return from_saturated(e)
+    return APIError(e.status, e.message, code="worker_error" if e.status >= 500 else None)
 
 
 def _loc(loc: tuple[Any, ...]) -> str | None:

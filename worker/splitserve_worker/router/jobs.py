@@ -1,17 +1,19 @@
-"""A request as the router runs it: the OpenAI body checked against this server's limits
-and turned into a :class:`~splitserve_worker.router.responses.Job`."""
+r"""A request as the router runs it: the OpenAI body checked against this server's limits
+and turned into :class:`~splitserve_worker.router.responses.Job`\ s (one per prompt; the
+``n`` choices of each are made by ``responses.choices_of``)."""
 
 from __future__ import annotations
 
 import uuid
 from typing import Any
 
+from splitserve.sampling import SamplingParams
+
 from splitserve_worker.router.api_models import ChatCompletionRequest, CompletionRequest
 from splitserve_worker.router.config import RouterConfig
 from splitserve_worker.router.errors import APIError
 from splitserve_worker.router.responses import Job
 from splitserve_worker.router.text import Detokenizer
-from splitserve_worker.router.worker_client import Sampling
 
 
 def check_model(name: str, cfg: RouterConfig) -> str:
@@ -74,7 +76,7 @@ def make_job(
     echo_lp = isinstance(body, CompletionRequest) and body.echo and want_lp
     asked = [k for k in (body.top_count() if echo_lp else None, body.prompt_logprobs)
              if k is not None]  # fmt: skip
-    sampling = Sampling(
+    sampling = SamplingParams(
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=max(0, body.top_k),
@@ -108,3 +110,32 @@ def make_job(
         echo_logprobs=echo_lp,
         prompt_logprobs=body.prompt_logprobs,
     )
+
+
+def completion_jobs(body: CompletionRequest, cfg: RouterConfig, tokenizer: Any) -> list[Job]:
+    """One job per prompt of a completion request (text prompts tokenized as the model's
+    tokenizer does, with its special tokens), under the request's one id; a bad prompt of
+    a batch is named by its place in it."""
+    batch: list[Job] = []
+    prompts = body.prompts()
+    for i, given in enumerate(prompts):
+        if isinstance(given, str):
+            prompt = list(tokenizer(given, add_special_tokens=True)["input_ids"])
+        else:
+            prompt = list(given)
+        try:
+            job = make_job("text_completion", body, prompt, cfg, tokenizer,
+                           batch[0].id if batch else None)  # fmt: skip
+        except APIError as e:
+            if len(prompts) == 1:
+                raise
+            raise APIError(e.status, f"prompt {i} of the batch: {e.message}",
+                           param=e.param, code=e.code) from None  # fmt: skip
+        job.index, job.prompt_index = i * body.n, i
+        if body.echo:
+            job.echo = (
+                given if isinstance(given, str)
+                else tokenizer.decode(prompt, skip_special_tokens=True)
+            )  # fmt: skip
+        batch.append(job)
+    return batch

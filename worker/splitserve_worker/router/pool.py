@@ -22,7 +22,7 @@ from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.router.discovery import Discovery, WorkerEndpoint
 from splitserve_worker.router.prefix_index import PrefixIndex
 from splitserve_worker.router.scoring import WorkerView
-from splitserve_worker.router.worker_client import WorkerConn
+from splitserve_worker.router.worker_conn import WorkerConn
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from splitserve.sampling import SamplingParams
+
 from splitserve_worker.router.api_models import MAX_SEED
 from splitserve_worker.router.queues import Admission
 from splitserve_worker.router.text import Detokenizer
-from splitserve_worker.router.worker_client import PromptScores, Sampling
+from splitserve_worker.router.worker_conn import PromptScores
 
 Top = Sequence[tuple[int, float]]
 """The most likely tokens at one position, with their logprobs, best first."""
@@ -30,7 +32,7 @@ class Job:
     kind: str  # "text_completion" | "chat.completion"
     model: str
     prompt: tuple[int, ...]
-    sampling: Sampling
+    sampling: SamplingParams
     detok: Detokenizer
     want_logprobs: bool
     return_token_ids: bool
@@ -73,7 +75,7 @@ def choices_of(job: Job, n: int) -> list[Job]:
     seed + 1, ... so they differ."""
     seed = job.sampling.seed
 
-    def sampling(i: int) -> Sampling:
+    def sampling(i: int) -> SamplingParams:
         if seed is None:
             return job.sampling
         return replace(job.sampling, seed=(seed + i) % (MAX_SEED + 1))

@@ -10,18 +10,18 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 from splitserve.metric_registry import Metrics
+from splitserve.prefix_hash import block_hashes
 
+from splitserve_worker.client import WorkerClient
 from splitserve_worker.router.config import RouterConfig
 from splitserve_worker.router.discovery import Discovery, WorkerEndpoint
-from splitserve_worker.router.dispatch import Dispatcher
+from splitserve_worker.router.dispatch import Dispatcher, Hasher
 from splitserve_worker.router.planner import RoutePlanner
 from splitserve_worker.router.pool import ConnFactory, WorkerPool
-from splitserve_worker.server.client import WorkerClient
 
 
-def engine_block_hashes(block_size: int) -> Any:
-    """The engine's own chained block hash, so the router's hashes match the workers'."""
-    from splitserve_worker.engine.prefix_cache import block_hashes
+def prefix_hasher(block_size: int) -> Hasher:
+    """The contract's chained block hash, so the router's hashes match the workers'."""
 
     def hasher(tokens: Sequence[int]) -> list[int]:
         return block_hashes(tokens, block_size)
@@ -55,7 +55,7 @@ class RouterService:
             drain_s=cfg.timeouts.drain_s,
         )
         self.dispatcher = Dispatcher(
-            cfg, self.pool, self.planner, engine_block_hashes(cfg.block_size), self.metrics
+            cfg, self.pool, self.planner, prefix_hasher(cfg.block_size), self.metrics
         )
         self._follow: asyncio.Task[None] | None = None
         est = self.planner.estimator

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import FastAPI
+from fastapi.params import Depends
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -80,11 +81,11 @@ def chat_prompt(tokenizer: Any, model_name: str, chat: ChatTemplating) -> list[i
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def install(app: FastAPI, service: RouterService, auth: Any) -> None:
-    """Add the two routes to ``app``, behind ``auth`` (the API key, when one is set)."""
+def install(app: FastAPI, service: RouterService, api_key: Depends) -> None:
+    """Add the two routes to ``app``, behind ``api_key`` (the app's key check)."""
     cfg, tok = service.config, service.tokenizer
 
-    @app.post("/tokenize", dependencies=[auth])
+    @app.post("/tokenize", dependencies=[api_key])
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         check_model(body.model, cfg)
         if body.messages is not None:
@@ -98,7 +99,7 @@ def install(app: FastAPI, service: RouterService, auth: Any) -> None:
         return {"count": len(ids), "max_model_len": cfg.max_model_len, "tokens": ids,
                 "token_strs": strs}  # fmt: skip
 
-    @app.post("/detokenize", dependencies=[auth])
+    @app.post("/detokenize", dependencies=[api_key])
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         check_model(body.model, cfg)
         bad = next((t for t in body.tokens if t >= len(tok)), None)

@@ -10,7 +10,9 @@ from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
+from splitserve.grpc_options import SERVER_OPTIONS
 from splitserve.metric_registry import Metrics
+from splitserve.metric_server import MetricsServer, start_metrics_server
 
 from splitserve_worker.kv.compat import Compat
 from splitserve_worker.kv.layout import PoolView
@@ -27,7 +29,6 @@ from splitserve_worker.server.handoff import DecodeHandoff
 from splitserve_worker.server.prefill import PrefillRunner
 from splitserve_worker.server.push_sink import start_push_server
 from splitserve_worker.server.service import WorkerService, add_to_server
-from splitserve_worker.server.wire import SERVER_OPTIONS
 
 
 @dataclass
@@ -39,27 +40,25 @@ class RunningWorker:
     service: WorkerService
     metrics: Metrics
     metrics_port: int | None = None
-    _closers: list[Any] = field(default_factory=list)
-    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _resources: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
+    """Everything :func:`start_worker` started, closed in the reverse order."""
 
     async def stop(self, grace: float = 1.0) -> None:
+        """Stop serving (calls under way get ``grace`` seconds), then close the rest:
+        background tasks, KV push port and backends, metrics, the engine thread."""
         await self.server.stop(grace)
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        for close in reversed(self._closers):
-            result = close()
-            if asyncio.iscoroutine(result):
-                await result
+        await self._resources.aclose()
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
 
 
 async def start_worker(config: WorkerConfig, *, loaded: Any = None) -> RunningWorker:
-    """Load the model (unless ``loaded`` is given), start the engine and serve."""
+    """Load the model (unless ``loaded`` is given), start the engine and serve.
+
+    When a step fails (a port taken, a KV backend that cannot start), everything started
+    before it is closed again, the engine thread included, and the error is raised.
+    """
     from splitserve_worker.engine.async_engine import AsyncEngine
     from splitserve_worker.engine.engine import Engine
     from splitserve_worker.models import load_model
@@ -68,99 +67,129 @@ async def start_worker(config: WorkerConfig, *, loaded: Any = None) -> RunningWo
         loaded = await asyncio.to_thread(
             load_model, config.model, dtype=config.dtype, device=config.device
         )
-    metrics = Metrics(CollectorRegistry())
-    engine = Engine(loaded, config.engine_config(), metrics)  # type: ignore[arg-type]
-    aengine = AsyncEngine(engine).start()
-    closers: list[Any] = [aengine.close]
-    compat = Compat.from_mapping(engine.compat_info(), engine.compat_hash())
-
-    server = grpc.aio.server(
-        interceptors=[TokenAuthInterceptor(config.token)], options=SERVER_OPTIONS
-    )
+    stack = contextlib.AsyncExitStack()
     try:
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
-    except RuntimeError:  # gRPC's "Failed to bind"
-        raise OSError(
-            f"cannot listen on {config.host}:{config.port}: the port is taken or the address "
-            "is not this host's; choose another --port or --host"
-        ) from None
-    address = config.advertise_address or f"{_reachable_host(config.host)}:{port}"
-    ctx = BackendContext(
-        compat=compat,
-        token=config.token,
-        checksums=config.checksums,
-        streams=config.kv_streams,
-        faults=config.faults,
-        pool=PoolView(engine.kv.pool),
-        leases=LeaseTable(),
-        name_hint=f"splitserve-{config.role}-{port}",
-    )
+        metrics = Metrics(CollectorRegistry())
+        engine = Engine(loaded, config.engine_config(), metrics)  # type: ignore[arg-type]
+        aengine = AsyncEngine(engine).start()
+        stack.push_async_callback(aengine.close)
+        compat = Compat.from_mapping(engine.compat_info(), engine.compat_hash())
 
-    handoff = None
-    if config.serves_decode:
-        names = ["grpc"] if config.kv_backend == "grpc" else ["grpc", config.kv_backend]
-        receivers: dict[str, ReceiverBackend] = {}
-        for name in names:
-            receivers[name] = create_receiver_backend(name, ctx)
-            closers.append(receivers[name].close)
-        assert ctx.pool is not None and ctx.leases is not None
-        handoff = DecodeHandoff(
-            aengine,
-            compat,
-            ctx.pool,
-            ctx.leases,
-            receivers,
-            default_backend=config.kv_backend,
-            lease_seconds=config.lease_seconds,
-            address=address,
-            metrics=metrics,
+        server = grpc.aio.server(
+            interceptors=[TokenAuthInterceptor(config.token)], options=SERVER_OPTIONS
+        )
+        try:
+            port = server.add_insecure_port(f"{config.host}:{config.port}")
+        except RuntimeError:  # gRPC's "Failed to bind"
+            raise OSError(
+                f"cannot listen on {config.host}:{config.port}: the port is taken or the "
+                "address is not this host's; choose another --port or --host"
+            ) from None
+        serving = False
+
+        async def close_server() -> None:
+            if not serving:
+                # grpcio holds a bound port until its server has started: start it only
+                # to stop it, so that the port is free again
+                await server.start()
+            await server.stop(None)
+
+        stack.push_async_callback(close_server)
+        address = config.advertise_address or f"{_reachable_host(config.host)}:{port}"
+        ctx = BackendContext(
+            compat=compat,
+            token=config.token,
+            checksums=config.checksums,
+            streams=config.kv_streams,
+            faults=config.faults,
+            pool=PoolView(engine.kv.pool),
+            leases=LeaseTable(),
+            name_hint=f"splitserve-{config.role}-{port}",
+        )
+
+        handoff = None
+        if config.serves_decode:
+            names = ["grpc"] if config.kv_backend == "grpc" else ["grpc", config.kv_backend]
+            receivers: dict[str, ReceiverBackend] = {}
+            for name in names:
+                receivers[name] = create_receiver_backend(name, ctx)
+                stack.callback(receivers[name].close)
+            assert ctx.pool is not None and ctx.leases is not None
+            handoff = DecodeHandoff(
+                aengine,
+                compat,
+                ctx.pool,
+                ctx.leases,
+                receivers,
+                default_backend=config.kv_backend,
+                lease_seconds=config.lease_seconds,
+                address=address,
+                metrics=metrics,
+                holds=config.faults.holds,
+            )
+        prefill = None
+        if config.serves_prefill:
+            prefill = PrefillRunner(
+                aengine, ctx, transfer_timeout_s=config.transfer_timeout_s, metrics=metrics
+            )
+            stack.push_async_callback(prefill.close)
+
+        events = EventHub(aengine)
+        kv_backends = sorted(handoff.receivers) if handoff else [config.kv_backend]
+        service = WorkerService(
+            role=config.role,
+            engine=aengine,
+            compat=compat,
+            handoff=handoff,
+            prefill=prefill,
+            events=events,
+            kv_backends=kv_backends,
             holds=config.faults.holds,
         )
-    prefill = None
-    if config.serves_prefill:
-        prefill = PrefillRunner(
-            aengine, ctx, transfer_timeout_s=config.transfer_timeout_s, metrics=metrics
+        add_to_server(service, server)
+        if handoff is not None:
+            push = start_push_server(handoff, config.host, config.kv_port, config.token)
+            stack.callback(push.close)
+        await server.start()
+        serving = True
+        tasks = [asyncio.create_task(events.poll_forever(), name="kv-events")]
+        if handoff is not None:
+            tasks.append(asyncio.create_task(handoff.reap_forever(), name="lease-reaper"))
+        stack.push_async_callback(_cancel, tasks)
+        metrics_port = None
+        if config.metrics_port is not None:
+            ms = _serve_metrics(config, metrics)
+            metrics_port = ms.port
+            stack.callback(ms.close)
+        return RunningWorker(
+            config=config,
+            server=server,
+            address=address,
+            engine=aengine,
+            service=service,
+            metrics=metrics,
+            metrics_port=metrics_port,
+            _resources=stack,
         )
-        closers.append(prefill.close)
+    except BaseException:
+        await stack.aclose()
+        raise
 
-    events = EventHub(aengine)
-    kv_backends = sorted(handoff.receivers) if handoff else [config.kv_backend]
-    service = WorkerService(
-        role=config.role,
-        engine=aengine,
-        compat=compat,
-        handoff=handoff,
-        prefill=prefill,
-        events=events,
-        kv_backends=kv_backends,
-        holds=config.faults.holds,
-    )
-    add_to_server(service, server)
-    if handoff is not None:
-        push = start_push_server(handoff, config.host, config.kv_port, config.token)
-        closers.append(push.close)
-    await server.start()
-    tasks = [asyncio.create_task(events.poll_forever(), name="kv-events")]
-    if handoff is not None:
-        tasks.append(asyncio.create_task(handoff.reap_forever(), name="lease-reaper"))
-    metrics_port = None
-    if config.metrics_port is not None:
-        from splitserve.metric_server import start_metrics_server
 
-        ms = start_metrics_server(config.metrics_port, metrics.registry, host=config.host)
-        metrics_port = ms.port
-        closers.append(ms.close)
-    return RunningWorker(
-        config=config,
-        server=server,
-        address=address,
-        engine=aengine,
-        service=service,
-        metrics=metrics,
-        metrics_port=metrics_port,
-        _closers=closers,
-        _tasks=tasks,
-    )
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _serve_metrics(config: WorkerConfig, metrics: Metrics) -> MetricsServer:
+    try:
+        return start_metrics_server(config.metrics_port or 0, metrics.registry, host=config.host)
+    except OSError as e:
+        raise OSError(
+            f"cannot serve metrics on {config.host}:{config.metrics_port}: {e.strerror}; "
+            "choose another --metrics-port"
+        ) from None
 
 
 def _reachable_host(host: str) -> str:

@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-
-from splitserve_worker.server.wire import AUTH_HEADER
+from splitserve.grpc_options import AUTH_HEADER
 
 TOKEN_ENV = "SPLITSERVE_WORKER_TOKEN"
 

@@ -1,14 +1,17 @@
-"""Conversions between the wire messages and the engine's and transports' types.
+"""Conversions between the wire messages the worker's server receives or answers and
+the contract's, the engine's and the transports' types.
 
-Nothing here imports torch or the engine at module level, so the router can use the
-sampling conversion without loading a model stack.
+Nothing here imports torch or the engine at module level (engine types are for typing
+only). What a caller of a worker builds or reads (sampling parameters on the way out,
+top logprobs on the way back) is converted by :mod:`splitserve_worker.client`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from splitserve.sampling import SamplingParams
 from splitserve.v1 import worker_pb2 as pb
 
 from splitserve_worker.kv.compat import Compat
@@ -16,42 +19,14 @@ from splitserve_worker.kv.transport import TransferTarget
 
 if TYPE_CHECKING:
     from splitserve_worker.engine.prompt_logprobs import PromptLogprobs
-    from splitserve_worker.engine.sampling import SamplingParams
     from splitserve_worker.engine.sequence import RequestOutput
 
 
-def sampling_to_proto(sp: Any) -> pb.SamplingParams:
-    """From any object with the engine's ``SamplingParams`` fields (or a proto, as is)."""
-    if isinstance(sp, pb.SamplingParams):
-        return sp
-    msg = pb.SamplingParams(
-        temperature=float(sp.temperature),
-        top_p=float(sp.top_p),
-        top_k=int(sp.top_k),
-        max_tokens=int(sp.max_tokens),
-        min_tokens=int(sp.min_tokens),
-        ignore_eos=bool(sp.ignore_eos),
-        stop_token_ids=[int(t) for t in sp.stop_token_ids],
-        stop=list(sp.stop),
-        logprobs=bool(sp.logprobs),
-        min_p=float(sp.min_p),
-        presence_penalty=float(sp.presence_penalty),
-        frequency_penalty=float(sp.frequency_penalty),
-        repetition_penalty=float(sp.repetition_penalty),
-        resumed_tokens=int(sp.resumed_tokens),
-        top_logprobs=int(sp.top_logprobs),
-        logit_bias={int(t): float(b) for t, b in sp.logit_bias},
-    )
-    if sp.seed is not None:
-        msg.seed = int(sp.seed)
-    if sp.prompt_logprobs is not None:
-        msg.prompt_logprobs = int(sp.prompt_logprobs)
-    return msg
-
-
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    from splitserve_worker.engine.sampling import SamplingParams
-
+    """The request's sampling parameters, checked: raises
+    :class:`~splitserve.sampling.SamplingError` naming a field out of bounds. Fields left
+    at zero on the wire take their defaults where zero means nothing (top_p,
+    max_tokens, repetition_penalty)."""
     sp = SamplingParams(
         temperature=msg.temperature,
         top_p=msg.top_p if msg.top_p > 0 else 1.0,
@@ -117,10 +92,6 @@ def target_from_handle(h: pb.TransferHandle) -> TransferTarget:
 
 def top_to_proto(top: Sequence[tuple[int, float]]) -> pb.TopLogprobs:
     return pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
-
-
-def top_from_proto(msg: pb.TopLogprobs) -> list[tuple[int, float]]:
-    return list(zip(msg.token_ids, msg.logprobs, strict=True))
 
 
 def prompt_logprobs_to_proto(p: PromptLogprobs) -> pb.PromptLogprobs:

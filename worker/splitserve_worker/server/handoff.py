@@ -21,6 +21,7 @@ from splitserve import metric_names as names
 from splitserve.metric_registry import Metrics
 from splitserve.v1 import worker_pb2 as pb
 
+from splitserve_worker.client import top_from_proto
 from splitserve_worker.kv import compat as compat_mod
 from splitserve_worker.kv.compat import Compat, CompatError
 from splitserve_worker.kv.faults import Holds
@@ -29,7 +30,7 @@ from splitserve_worker.kv.kvwire import KVSpan
 from splitserve_worker.kv.layout import PoolView, as_bytes
 from splitserve_worker.kv.lease import Lease, LeaseError, LeaseTable, State
 from splitserve_worker.kv.transport import ReceiverBackend, TransferError
-from splitserve_worker.server.convert import compat_from_proto, compat_to_proto, top_from_proto
+from splitserve_worker.server.convert import compat_from_proto, compat_to_proto
 from splitserve_worker.server.errors import RpcFailure
 
 log = logging.getLogger(__name__)

@@ -18,9 +18,10 @@ from typing import Any
 import grpc
 from splitserve import metric_names as names
 from splitserve.metric_registry import Metrics
+from splitserve.sampling import SamplingParams
 from splitserve.v1 import worker_pb2 as pb
-from splitserve.v1 import worker_pb2_grpc
 
+from splitserve_worker.client import WorkerClients
 from splitserve_worker.kv import compat as compat_mod
 from splitserve_worker.kv.compat import CompatError
 from splitserve_worker.kv.transport import (
@@ -37,11 +38,14 @@ from splitserve_worker.server.convert import (
     top_to_proto,
 )
 from splitserve_worker.server.errors import RpcFailure
-from splitserve_worker.server.wire import CHANNEL_OPTIONS, auth_metadata
 
 log = logging.getLogger(__name__)
 
 COMMIT_TIMEOUT_S = 60.0
+"""How long the decode worker may take to check the pushed layers and admit the request."""
+RELEASE_TIMEOUT_S = 5.0
+"""Release after a failed prefill is best effort: the decode worker's lease frees the
+blocks anyway."""
 
 
 class PrefillRunner:
@@ -58,7 +62,8 @@ class PrefillRunner:
         self.transfer_timeout_s = transfer_timeout_s
         self._senders: dict[str, SenderBackend] = {}
         self._senders_lock = threading.Lock()
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._decode_workers = WorkerClients(ctx.token)
+        """Clients of the decode workers this one pushes to (Commit, Release), by address."""
         self._bytes = metrics.counter(names.KV_TRANSFER_BYTES)
         self._duration = metrics.histogram(names.KV_TRANSFER_DURATION)
         self._failures = metrics.counter(names.KV_TRANSFER_FAILURES)
@@ -74,23 +79,15 @@ class PrefillRunner:
                 self._senders[name] = backend
             return backend
 
-    def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            self._channels[address] = ch
-        return worker_pb2_grpc.WorkerStub(ch)
-
     async def close(self) -> None:
         for task in list(self._releasing):  # best effort only: leases expire anyway
             task.cancel()
-        for ch in self._channels.values():
-            await ch.close(grace=None)
-        self._channels.clear()
+        await asyncio.gather(*self._releasing, return_exceptions=True)
+        await self._decode_workers.close()
         for backend in self._senders.values():
             backend.close()
 
-    async def run(self, req: pb.PrefillRequest, sampling: Any) -> pb.PrefillResponse:
+    async def run(self, req: pb.PrefillRequest, sampling: SamplingParams) -> pb.PrefillResponse:
         handle = req.handle
         if handle.request_id and handle.request_id != req.request_id:
             raise RpcFailure(
@@ -117,7 +114,7 @@ class PrefillRunner:
             self.in_progress -= 1
 
     async def _run(
-        self, req: pb.PrefillRequest, sampling: Any, handle: pb.TransferHandle
+        self, req: pb.PrefillRequest, sampling: SamplingParams, handle: pb.TransferHandle
     ) -> pb.PrefillResponse:
         from splitserve_worker.engine.errors import NoCapacity, RequestError
 
@@ -163,20 +160,18 @@ class PrefillRunner:
         transfer_s = max(0.0, stats.done - (stats.first_send or t0))
         self._duration.labels(backend_name).observe(transfer_s)
 
-        commit = pb.CommitRequest(
-            request_id=req.request_id,
-            lease_id=handle.lease_id,
-            first_token=result.first_token,
-            first_token_logprob=result.first_logprob or 0.0,
-            layers_sent=stats.layers_sent,
-            layer_crc32=stats.layer_crc32,
-            first_top_logprobs=top_to_proto(result.first_top_logprobs),
-        )
-        if result.prompt_logprobs is not None:
-            commit.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(result.prompt_logprobs))
+        scores = result.prompt_logprobs
         try:
-            await self._stub(handle.decode_address).Commit(
-                commit, metadata=auth_metadata(self.ctx.token), timeout=COMMIT_TIMEOUT_S
+            await self._decode_workers.get(handle.decode_address).commit(
+                req.request_id,
+                handle.lease_id,
+                result.first_token,
+                first_token_logprob=result.first_logprob or 0.0,
+                layers_sent=stats.layers_sent,
+                layer_crc32=stats.layer_crc32,
+                first_top_logprobs=top_to_proto(result.first_top_logprobs),
+                prompt_logprobs=None if scores is None else prompt_logprobs_to_proto(scores),
+                timeout=COMMIT_TIMEOUT_S,
             )
         except grpc.aio.AioRpcError as e:
             self._failures.labels(backend_name, "commit").inc()
@@ -208,8 +203,6 @@ class PrefillRunner:
         if not handle.decode_address:
             return
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
-            await self._stub(handle.decode_address).Release(
-                pb.ReleaseRequest(request_id=handle.request_id, reason=reason),
-                metadata=auth_metadata(self.ctx.token),
-                timeout=5.0,
+            await self._decode_workers.get(handle.decode_address).release(
+                handle.request_id, reason, timeout=RELEASE_TIMEOUT_S
             )

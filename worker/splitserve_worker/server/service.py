@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+from splitserve.sampling import SamplingError
 from splitserve.v1 import worker_pb2 as pb
 from splitserve.v1 import worker_pb2_grpc
 
@@ -45,7 +46,7 @@ def _unary(
             return await fn(self, request, context)
         except RpcFailure as e:
             await context.abort(e.code, e.message)
-        except RequestError as e:
+        except (RequestError, SamplingError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         raise AssertionError("context.abort returned")  # pragma: no cover
 
@@ -179,7 +180,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         except RpcFailure as e:
             await context.abort(e.code, e.message)
             return
-        except RequestError as e:
+        except (RequestError, SamplingError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
         except NoCapacity as e:

@@ -1,8 +1,9 @@
-"""What the router calls on a worker, and the sampling parameters it sends.
+"""The router's port to a worker: what it calls on one (:class:`WorkerConn`), and the
+prompt scores it reads back.
 
 The router depends only on the :class:`WorkerConn` protocol;
-:class:`splitserve_worker.server.client.WorkerClient` implements it over gRPC, and tests
-put in-memory workers in its place.
+:class:`splitserve_worker.client.WorkerClient` implements it over gRPC, and tests put
+in-memory workers in its place.
 """
 
 from __future__ import annotations
@@ -11,34 +12,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from splitserve.sampling import SamplingParams
 from splitserve.v1 import worker_pb2 as pb
 
-from splitserve_worker.server.convert import top_from_proto
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling parameters as sent to workers (mirrors the engine's SamplingParams; the
-    client turns them into the proto with ``server.convert.sampling_to_proto``)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int = 16
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    logprobs: bool = False
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    resumed_tokens: int = 0
-    top_logprobs: int = 0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    prompt_logprobs: int | None = None
+from splitserve_worker.client import top_from_proto
 
 
 @dataclass(frozen=True)
@@ -83,7 +60,7 @@ class WorkerConn(Protocol):
         self,
         request_id: str,
         prompt: Sequence[int],
-        sampling: Sampling,
+        sampling: SamplingParams,
         handle: pb.TransferHandle,
         timeout: float | None = None,
     ) -> pb.PrefillResponse: ...
@@ -92,7 +69,7 @@ class WorkerConn(Protocol):
         self,
         request_id: str,
         prompt: Sequence[int],
-        sampling: Sampling,
+        sampling: SamplingParams,
         expect_remote_kv: bool = False,
         timeout: float | None = None,
     ) -> AsyncIterator[pb.TokenChunk]: ...

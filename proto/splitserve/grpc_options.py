@@ -1,4 +1,9 @@
-"""Channel options and call metadata shared by every splitserve gRPC client and server."""
+"""What both ends of a splitserve gRPC call agree on besides the messages: the message
+size limits and HTTP/2 settings of channels and servers, and how the shared worker token
+travels (``authorization: Bearer <token>`` metadata).
+
+Used by the worker client, the worker's server and its KV push senders alike; pure
+(standard library only)."""
 
 from __future__ import annotations
 
