@@ -56,7 +56,7 @@ CHUNK = 1 << 20
 
 
 def _compat() -> Any:
-    from splitserve_worker.kv.compat import Compat
+    from splitserve.kv_compat import Compat
 
     return Compat("bench", "float32", BLOCK, LAYERS, HEADS, DIM, "LKBTHD-v1")
 

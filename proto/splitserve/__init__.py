@@ -7,6 +7,8 @@ must agree on, and nothing else.
   exports, read by the workers that export them and by the operator's planner queries,
   dashboards and alerts.
 - :mod:`splitserve.roles`: the roles a worker serves.
+- :mod:`splitserve.kv_compat`: the fields that make two workers' KV caches
+  interchangeable, their hash, and the check that names what differs.
 
 Modules here import the standard library only (``v1`` also needs protobuf and grpcio),
 so either side can use them without the other's dependencies.

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from splitserve import kv_compat
 
 from splitserve_worker.engine import identity, layerwise, remote_kv
 from splitserve_worker.engine.config import EngineConfig
@@ -105,7 +106,7 @@ class Engine:
         )
 
     def compat_hash(self) -> str:
-        return identity.compat_hash(self.compat_info())
+        return kv_compat.compat_hash(self.compat_info())
 
     def block_hashes(self, token_ids: Iterable[int]) -> list[int]:
         """Chained hashes of the full blocks of a prompt, as this engine caches them."""

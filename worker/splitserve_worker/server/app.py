@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
+from splitserve.kv_compat import Compat
 
-from splitserve_worker.kv.compat import Compat
 from splitserve_worker.kv.layout import PoolView
 from splitserve_worker.kv.lease import LeaseTable
 from splitserve_worker.kv.transport import (
@@ -25,8 +27,8 @@ from splitserve_worker.server.config import WorkerConfig
 from splitserve_worker.server.events import EventHub
 from splitserve_worker.server.handoff import DecodeHandoff
 from splitserve_worker.server.prefill import PrefillRunner
-from splitserve_worker.server.push_sink import start_push_server
 from splitserve_worker.server.service import WorkerService, add_to_server
+from splitserve_worker.server.tcp_sink import start_tcp_server
 from splitserve_worker.server.wire import SERVER_OPTIONS
 
 
@@ -58,8 +60,11 @@ class RunningWorker:
         await self.server.wait_for_termination()
 
 
-async def start_worker(config: WorkerConfig, *, loaded: Any = None) -> RunningWorker:
-    """Load the model (unless ``loaded`` is given), start the engine and serve."""
+async def start_worker(
+    config: WorkerConfig, *, loaded: Any = None, clock: Callable[[], float] = time.monotonic
+) -> RunningWorker:
+    """Load the model (unless ``loaded`` is given), start the engine and serve. ``clock``:
+    what leases are measured on (tests move it)."""
     from splitserve_worker.engine.async_engine import AsyncEngine
     from splitserve_worker.engine.engine import Engine
     from splitserve_worker.models import load_model
@@ -72,7 +77,7 @@ async def start_worker(config: WorkerConfig, *, loaded: Any = None) -> RunningWo
     engine = Engine(loaded, config.engine_config(), metrics)  # type: ignore[arg-type]
     aengine = AsyncEngine(engine).start()
     closers: list[Any] = [aengine.close]
-    compat = Compat.from_mapping(engine.compat_info(), engine.compat_hash())
+    compat = Compat.from_mapping(engine.compat_info())
 
     server = grpc.aio.server(
         interceptors=[TokenAuthInterceptor(config.token)], options=SERVER_OPTIONS
@@ -92,13 +97,17 @@ async def start_worker(config: WorkerConfig, *, loaded: Any = None) -> RunningWo
         streams=config.kv_streams,
         faults=config.faults,
         pool=PoolView(engine.kv.pool),
-        leases=LeaseTable(),
+        leases=LeaseTable(clock),
+        tls=config.kv_tls,
+        clock=clock,
         name_hint=f"splitserve-{config.role}-{port}",
     )
 
     handoff = None
     if config.serves_decode:
-        names = ["grpc"] if config.kv_backend == "grpc" else ["grpc", config.kv_backend]
+        # tcp and grpc cost nothing until used: a decode worker takes both, and NIXL when
+        # configured
+        names = sorted({"tcp", "grpc", config.kv_backend})
         receivers: dict[str, ReceiverBackend] = {}
         for name in names:
             receivers[name] = create_receiver_backend(name, ctx)
@@ -137,8 +146,9 @@ async def start_worker(config: WorkerConfig, *, loaded: Any = None) -> RunningWo
     )
     add_to_server(service, server)
     if handoff is not None:
-        push = start_push_server(handoff, config.host, config.kv_port, config.token)
-        closers.append(push.close)
+        tls = config.kv_tls.server_context() if config.kv_tls.serves else None
+        kv_port = start_tcp_server(handoff, config.host, config.kv_port, config.token, tls)
+        closers.append(kv_port.close)
     await server.start()
     tasks = [asyncio.create_task(events.poll_forever(), name="kv-events")]
     if handoff is not None:

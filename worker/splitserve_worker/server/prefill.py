@@ -16,12 +16,12 @@ import time
 from typing import Any
 
 import grpc
+from splitserve import kv_compat as compat_mod
 from splitserve import metric_names as names
+from splitserve.kv_compat import CompatError
 from splitserve.v1 import worker_pb2 as pb
 from splitserve.v1 import worker_pb2_grpc
 
-from splitserve_worker.kv import compat as compat_mod
-from splitserve_worker.kv.compat import CompatError
 from splitserve_worker.kv.transport import (
     BackendContext,
     KVSender,
