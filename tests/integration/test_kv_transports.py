@@ -14,11 +14,14 @@ import ssl
 import zlib
 from typing import Any
 
+import grpc
 import pytest
 import torch
 from kv_kit import BareDecode, bare_decode, until
 from splitserve.kv_compat import Compat
-from splitserve_worker.kv import span_sender
+from splitserve.v1 import worker_pb2 as pb
+from splitserve_worker.kv import kvwire, span_sender
+from splitserve_worker.kv.grpc_sender import PUSH_METHOD
 from splitserve_worker.kv.layout import as_bytes, token_chunks
 from splitserve_worker.kv.lease import Lease
 from splitserve_worker.kv.nixl_common import loopback_env
@@ -389,3 +392,72 @@ def test_nixl_layers_spread_over_posting_lanes(lanes: int, tls_files: TlsFiles) 
 
     asyncio.run(scenario())
 
+
+
+@pytest.mark.parametrize("encoder", ["kvwire", "protobuf"])
+def test_any_grpc_client_pushes_to_the_grpc_port(encoder: str) -> None:
+    # grpcio's own client with protobuf's encoding (any gRPC peer) and with the grpc
+    # backend's (payload built in one pass): both land the same bytes
+    def protobuf(item: Any) -> bytes:
+        s, parts = item
+        return pb.KVLayer(request_id=s.request_id, lease_id=s.lease_id, layer=s.layer,
+                          start_token=s.start_token, num_tokens=s.num_tokens,
+                          data=b"".join(bytes(p) for p in parts), crc32=s.crc32,
+                          compat_hash=s.compat_hash).SerializeToString()  # fmt: skip
+
+    serialize = (lambda item: kvwire.encode(*item)) if encoder == "kvwire" else protobuf
+
+    async def scenario() -> None:
+        async with bare_decode(COMPAT, NB, backends=("grpc",), token=TOKEN) as d:
+            n, blocks = 30, [20, 3, 11]
+            lease = d.reserve("r", blocks, n, backend="grpc")
+            kv = fresh_kv(n, 8)
+            msgs = []
+            for layer in range(L):
+                for start in range(0, n, 7):
+                    m = min(7, n - start)
+                    k, v = (as_bytes(t[start : start + m].contiguous()) for t in kv[layer])
+                    head = kvwire.KVSpan("r", lease.lease_id, layer, start, m,
+                                         crc32=zlib.crc32(v, zlib.crc32(k)),
+                                         compat_hash=COMPAT.hash)  # fmt: skip
+                    msgs.append((head, (k, v)))
+            with grpc.insecure_channel(d.address) as ch:
+                push = ch.stream_unary(PUSH_METHOD, request_serializer=serialize,
+                                       response_deserializer=pb.PushKVAck.FromString)  # fmt: skip
+                ack = await asyncio.to_thread(
+                    push, iter(msgs), metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=20
+                )
+            assert ack.layers_received == L and ack.bytes_received == L * 2 * n * H * D * 4
+            assert_landed(d, lease, kv)
+
+    asyncio.run(scenario())
+
+
+def test_grpc_refusals_are_statuses() -> None:
+    async def scenario() -> None:
+        async with bare_decode(COMPAT, NB, backends=("grpc",), token=TOKEN) as d:
+            lease = d.reserve("r", [1], 8, backend="grpc")
+            other = d.reserve("r2", [3], 8, backend="grpc")
+            data = b"\0" * (2 * 8 * H * D * 4)
+            cases = [
+                ("wrong-token", kvwire.KVSpan("r", lease.lease_id, 0, 0, 8, memoryview(data),
+                 compat_hash=COMPAT.hash), grpc.StatusCode.UNAUTHENTICATED, "token"),
+                (TOKEN, kvwire.KVSpan("r", "no-such-lease", 0, 0, 8, memoryview(data),
+                 compat_hash=COMPAT.hash), grpc.StatusCode.NOT_FOUND, "no-such-lease"),
+                (TOKEN, kvwire.KVSpan("r", lease.lease_id, 0, 4, 8, memoryview(data),
+                 compat_hash=COMPAT.hash), grpc.StatusCode.DATA_LOSS, "outside its reservation"),
+                (TOKEN, kvwire.KVSpan("r2", other.lease_id, 0, 0, 8, memoryview(data), crc32=7,
+                 compat_hash=COMPAT.hash), grpc.StatusCode.DATA_LOSS, "checksum"),
+            ]  # fmt: skip
+            with grpc.insecure_channel(d.address) as ch:
+                for token, msg, code, words in cases:
+                    call = ch.stream_unary(PUSH_METHOD, kvwire.encode, pb.PushKVAck.FromString)
+                    auth = (("authorization", f"Bearer {token}"),)
+                    with pytest.raises(grpc.RpcError) as e:
+                        await asyncio.to_thread(call, iter([msg]), timeout=20, metadata=auth)
+                    assert e.value.code() == code, e.value.details()
+                    assert words in (e.value.details() or "")
+            # the misplaced and the corrupt pushes freed their reservations
+            assert d.engine.released == ["r", "r2"] and len(d.leases) == 0
+
+    asyncio.run(scenario())
