@@ -158,33 +158,95 @@ U32 = st.integers(0, 2**32 - 1)
 SMALL = st.integers(0, 64) | U32
 
 
-@settings(derandomize=True, max_examples=150, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fmt: skip
+QUIET = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+
+
+@settings(derandomize=True, max_examples=150, deadline=None, suppress_health_check=QUIET)
 @given(
     before=st.sampled_from(["nothing", "hello", "bad-token", "bad-compat"]),
     aim=st.sampled_from(["live lease", "unknown lease", "random lease"]),
     layer=SMALL,
     start=SMALL,
     count=SMALL,
-    nbytes=st.integers(0, 64) | st.sampled_from([wire.MAX_SPAN_BYTES, wire.MAX_SPAN_BYTES + 1,
-                                                 2**32 - 1]),  # fmt: skip
+    nbytes=st.integers(0, 64)
+    | st.sampled_from([wire.MAX_SPAN_BYTES, wire.MAX_SPAN_BYTES + 1, 2**32 - 1]),
     payload=st.sampled_from(["exact", "short", "none", "long"]),
     flags=st.sampled_from([0, 0, 1, 2]),
     trailer=st.binary(max_size=200),
     cut=st.none() | st.integers(0, 400),
 )
-@example(before="hello", aim="live lease", layer=0, start=0, count=1, nbytes=0, payload="none",
-         flags=0, trailer=b"", cut=None)  # a span of the right count but no bytes
-@example(before="hello", aim="live lease", layer=0, start=0, count=1,
-         nbytes=wire.MAX_SPAN_BYTES + 1, payload="none", flags=0, trailer=b"", cut=None)
-@example(before="hello", aim="live lease", layer=0, start=39, count=2, nbytes=0,
-         payload="exact", flags=0, trailer=b"", cut=None)  # past the reservation
-@example(before="bad-token", aim="live lease", layer=0, start=0, count=1, nbytes=0,
-         payload="exact", flags=0, trailer=b"", cut=None)
-@example(before="nothing", aim="live lease", layer=0, start=0, count=1, nbytes=0,
-         payload="exact", flags=0, trailer=b"", cut=None)  # a span where the hello goes
-@example(before="hello", aim="live lease", layer=0, start=0, count=1, nbytes=0,
-         payload="exact", flags=0, trailer=b"", cut=45)  # cut inside the payload
+@example(
+    before="hello",
+    aim="live lease",
+    layer=0,
+    start=0,
+    count=1,
+    nbytes=0,
+    payload="none",
+    flags=0,
+    trailer=b"",
+    cut=None,
+)  # a span of the right count but no bytes
+@example(
+    before="hello",
+    aim="live lease",
+    layer=0,
+    start=0,
+    count=1,
+    nbytes=wire.MAX_SPAN_BYTES + 1,
+    payload="none",
+    flags=0,
+    trailer=b"",
+    cut=None,
+)
+@example(
+    before="hello",
+    aim="live lease",
+    layer=0,
+    start=39,
+    count=2,
+    nbytes=0,
+    payload="exact",
+    flags=0,
+    trailer=b"",
+    cut=None,
+)  # past the reservation
+@example(
+    before="bad-token",
+    aim="live lease",
+    layer=0,
+    start=0,
+    count=1,
+    nbytes=0,
+    payload="exact",
+    flags=0,
+    trailer=b"",
+    cut=None,
+)
+@example(
+    before="nothing",
+    aim="live lease",
+    layer=0,
+    start=0,
+    count=1,
+    nbytes=0,
+    payload="exact",
+    flags=0,
+    trailer=b"",
+    cut=None,
+)  # a span where the hello goes
+@example(
+    before="hello",
+    aim="live lease",
+    layer=0,
+    start=0,
+    count=1,
+    nbytes=0,
+    payload="exact",
+    flags=0,
+    trailer=b"",
+    cut=45,
+)  # cut inside the payload
 def test_any_frames_end_their_own_connection_and_leak_nothing(
     stack: Stack, before: str, aim: str, layer: int, start: int, count: int, nbytes: int,
     payload: str, flags: int, trailer: bytes, cut: int | None,

@@ -236,9 +236,7 @@ def test_a_push_lasting_several_leases_lives_while_it_keeps_arriving(
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_a_push_whose_sender_goes_quiet_expires_mid_push(
-    path: str, tls_files: TlsFiles
-) -> None:
+def test_a_push_whose_sender_goes_quiet_expires_mid_push(path: str, tls_files: TlsFiles) -> None:
     # The sender pushes a layer, then says nothing for longer than a TTL: the next span
     # is refused ("expired mid-push") and the reaper frees the blocks; nothing of the
     # late span lands.
@@ -251,10 +249,10 @@ def test_a_push_whose_sender_goes_quiet_expires_mid_push(
             backend = way.sender(d)
             sender = backend.open(d.target(lease))
             kv = fresh_kv(n, 6)
-            await asyncio.to_thread(sender.send_layer, 0, *kv[0], 0)
+            await asyncio.to_thread(sender.send_layer, 0, kv[0][0], kv[0][1], 0)
             await until(_landed(sender, lease, 0, n), what="layer 0")
             d.clock.advance(11)  # past the lease: the push is expired, not yet stalled
-            await asyncio.to_thread(sender.send_layer, 1, *kv[1], 0)
+            await asyncio.to_thread(sender.send_layer, 1, kv[1][0], kv[1][1], 0)
             with pytest.raises(TransferError) as e:
                 await asyncio.to_thread(sender.finish, 30)
             assert "expired mid-push" in str(e.value), e.value
@@ -283,14 +281,14 @@ def test_a_push_that_stops_sending_loses_its_lease_to_the_reaper(
             backend = way.sender(d)
             sender = backend.open(d.target(lease))
             kv = fresh_kv(n, 7)
-            await asyncio.to_thread(sender.send_layer, 0, *kv[0], 0)
+            await asyncio.to_thread(sender.send_layer, 0, kv[0][0], kv[0][1], 0)
             await until(_landed(sender, lease, 0, n), what="layer 0")
             d.clock.advance(11)  # expired, but not yet stalled for long
             assert await d.handoff.reap_once() == 0 and d.leases.contains("r")
             d.clock.advance(handoff_mod.STALLED_PUSH_S)
             assert await d.handoff.reap_once() == 1
             assert d.engine.released == ["r"] and not d.leases.contains("r")
-            await asyncio.to_thread(sender.send_layer, 1, *kv[1], 0)
+            await asyncio.to_thread(sender.send_layer, 1, kv[1][0], kv[1][1], 0)
             with pytest.raises(TransferError) as e:
                 await asyncio.to_thread(sender.finish, 30)
             assert "expired mid-push" in str(e.value) or "dropped" in str(e.value), e.value
@@ -391,7 +389,6 @@ def test_nixl_layers_spread_over_posting_lanes(lanes: int, tls_files: TlsFiles) 
             sender_backend.close()
 
     asyncio.run(scenario())
-
 
 
 @pytest.mark.parametrize("encoder", ["kvwire", "protobuf"])

@@ -93,8 +93,9 @@ def test_a_hello_proves_the_token_for_this_nonce_and_compat() -> None:
     refusals = {
         "wrong token": wire.check_hello(raw, "other", NONCE, HASH),
         "replayed to another nonce": wire.check_hello(raw, "s3cret", bytes(16), HASH),
-        "other compat": wire.check_hello(wire.hello("s3cret", NONCE, "cd" * 32), "s3cret",
-                                         NONCE, HASH),  # fmt: skip
+        "other compat": wire.check_hello(
+            wire.hello("s3cret", NONCE, "cd" * 32), "s3cret", NONCE, HASH
+        ),
         "other wire": wire.check_hello(b"HTTP" + raw[4:], "s3cret", NONCE, HASH),
         "other version": wire.check_hello(raw[:4] + b"\0\x09" + raw[6:], "s3cret", NONCE, HASH),
     }
