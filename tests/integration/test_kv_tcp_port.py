@@ -447,3 +447,42 @@ def test_a_silent_peer_is_let_go(stage: str) -> None:
             await until(lambda: d.tcp.open_connections == 0, what="the connection to go")
 
     asyncio.run(scenario())
+
+
+def test_a_pool_off_the_host_takes_spans_staged(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a pool the socket cannot be read into (a GPU's): each payload is received into a
+    # buffer and copied into the blocks; checksums and refusals hold the same
+    from splitserve_worker.kv.layout import PoolView
+
+    monkeypatch.setattr(PoolView, "byte_views", lambda self, *a: None)
+
+    async def scenario() -> None:
+        async with decode() as d:
+            n = 10
+            lease, bad = d.reserve("r", [3, 1, 8], n), d.reserve("bad", [5, 6, 7], n)
+            kvs = [layer_kv(n, layer + 3) for layer in range(L)]
+
+            def send() -> list[tuple[Answer, str]]:
+                c = ready(d.tcp_port)
+                for layer in range(L):
+                    data = payload(kvs[layer], 0, n)
+                    c.send(span(lease, layer, 0, data, crc=zlib.crc32(data)))
+                c.send(wire.end(lease.lease_id))
+                out = [c.answer()]
+                c.close()
+                c = ready(d.tcp_port)
+                data = payload(kvs[0], 0, n)
+                c.send(span(bad, 0, 0, data, crc=zlib.crc32(data) ^ 1))
+                out.append(c.answer())
+                c.close()
+                return out
+
+            (ack, _), (err, message) = await asyncio.to_thread(send)
+            assert (ack.kind, ack.layers) == (wire.ACK, L)
+            for layer in range(L):
+                assert torch.equal(read(d, lease, layer), kvs[layer])
+            assert (err.kind, err.status) == (wire.ERROR, Status.DATA_LOSS)
+            assert "checksum" in message
+            await until(lambda: d.engine.released == ["bad"], what="the corrupt push's blocks")
+
+    asyncio.run(scenario())

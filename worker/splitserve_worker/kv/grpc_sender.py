@@ -28,6 +28,8 @@ from splitserve_worker.kv.transport import (
 
 PUSH_METHOD = "/splitserve.v1.Worker/PushKV"
 MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_IDLE_S = 600.0
+"""A channel no push used for this long is closed (its decode worker may be gone)."""
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -104,17 +106,25 @@ class GrpcSenderBackend:
         if not 1 <= self.streams <= MAX_STREAMS:
             raise ValueError(f"KV streams must be 1 to {MAX_STREAMS}, got {self.streams}")
         self._lock = threading.Lock()
-        self._channels: dict[tuple[str, int], grpc.Channel] = {}
+        self._channels: dict[tuple[str, int], tuple[grpc.Channel, float]] = {}
 
     def _channel(self, address: str, i: int) -> grpc.Channel:
-        """Channel ``i`` to ``address``: each of a push's calls on a connection of its own."""
+        """Channel ``i`` to ``address``: each of a push's calls on a connection of its own.
+        Channels unused for :data:`CHANNEL_IDLE_S` (a decode worker gone) are closed."""
+        now = time.monotonic()
         with self._lock:
-            ch = self._channels.get((address, i))
-            if ch is None:
+            stale = [k for k, (_, used) in self._channels.items() if now - used > CHANNEL_IDLE_S]
+            gone = [self._channels.pop(k)[0] for k in stale]
+            got = self._channels.get((address, i))
+            if got is None:
                 options = [*CHANNEL_OPTIONS, ("splitserve.kv-stream", i)]
                 ch = grpc.insecure_channel(address, options=options)
-                self._channels[(address, i)] = ch
-            return ch
+            else:
+                ch = got[0]
+            self._channels[(address, i)] = (ch, now)
+        for old in gone:
+            old.close()
+        return ch
 
     def open(self, target: TransferTarget) -> SpanSender:
         if not target.decode_address:
@@ -125,7 +135,7 @@ class GrpcSenderBackend:
 
     def close(self) -> None:
         with self._lock:
-            channels = list(self._channels.values())
+            channels = [ch for ch, _ in self._channels.values()]
             self._channels.clear()
         for ch in channels:
             ch.close()
