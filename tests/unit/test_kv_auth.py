@@ -89,4 +89,3 @@ def test_kv_tls_settings_are_checked_when_the_worker_is_configured(tmp_path: Pat
     ]:  # fmt: skip
         with pytest.raises(ConfigError, match=words):
             WorkerConfig(role="both", model="m", token="t", kv_tls=TlsConfig(**kw))  # type: ignore[arg-type]
-
