@@ -54,7 +54,6 @@ class HandoffSink:
         self._views: list[memoryview] = []
         self._staged: bytearray | None = None
         self._failure: TransferError | None = None
-        self._held = False
 
     def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(LOOP_TIMEOUT_S)
@@ -109,8 +108,7 @@ class HandoffSink:
             self._end_placing()
             self._views = []
         self._h.count_received("tcp", frame.nbytes)
-        if self._h.holds.directory and not self._held:
-            self._held = True
+        if self._h.holds.directory:  # as PushKV does: at each span while armed
             self._h.holds.wait("receive")
 
     def end(self, lease_id: str) -> tuple[int, int]:
