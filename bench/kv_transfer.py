@@ -1,15 +1,16 @@
 """KV transfer throughput and overlap, measured side by side in one run on 127.0.0.1.
 
-1. ``grpc`` backend vs a plain TCP socket: the same 256 MiB (the KV of 8 layers,
+1. The ``tcp`` backend (the fast path) vs a plain TCP socket, the same backend over TLS,
+   and the ``grpc`` backend (grpcio's PushKV): the same 256 MiB (the KV of 8 layers,
    8 KV heads, head dim 128, float32, 4,096 tokens) sent from this process into a
-   preallocated buffer in a receiver process. The KV lands in a pool of twice that
-   size, in a block table the engine's own allocator hands out after churn (sequences
-   of random lengths allocated and freed until the free list is mixed): ``--blocks
-   reversed`` or ``ascending`` fix the order instead. The ``grpc`` side runs the real transport:
-   ``GrpcSender.send_layer`` per layer (4 MiB messages) to the decode side's push port
-   (the worker's ``PushServer``), which receives each payload into the reserved blocks of
-   the pool. TCP: ``sendall`` of 1 MiB slices, ``recv_into`` a preallocated buffer, one
-   byte back when all arrived.
+   receiver process. The KV lands in a pool of twice that size, in a block table the
+   engine's own allocator hands out after churn (sequences of random lengths allocated
+   and freed until the free list is mixed): ``--blocks reversed`` or ``ascending`` fix
+   the order instead. The backends run the real transports: ``send_layer`` per layer
+   (4 MiB spans) to the decode side's tcp KV port (the worker's ``TcpServer``, receiving
+   each payload into the reserved blocks) or its gRPC server. TCP: ``sendall`` of 1 MiB
+   slices, ``recv_into`` one preallocated buffer, one byte back when all arrived. The
+   runs of all four are interleaved, so load on the host hits them alike.
 2. ``nixl`` backend vs a shared-memory copy: the same 256 MiB written by
    ``NixlSender`` into the receiver process's registered pool (UCX picks CMA or TCP on
    one host), against one ``copy_`` of the bytes into a POSIX shared-memory segment.
@@ -17,11 +18,12 @@
    CPU alone allows on this host's cores.
 3. Overlap (``bench/kv_overlap.py``): real ``splitserve worker`` processes (prefill
    and decode, one thread each) on the built-in model; for a 2,000-token prompt, the
-   transfer time still exposed after prefill compute ends, as a fraction of the whole
-   transfer time (both from the PrefillResponse timings, summed over repeats).
+   transfer time still exposed after prefill compute ends (tcp), as a fraction of the
+   whole transfer time (both from the PrefillResponse timings, summed over repeats).
 
-Ends with ``RESULT grpc_vs_tcp=<r> nixl_vs_shm=<r> exposed_fraction=<f>``
-(targets: >= 0.8, >= 0.5, <= 0.2).
+Ends with ``RESULT tcp_vs_raw=<r> tls_vs_tcp=<r> grpc_vs_tcp=<r> nixl_vs_shm=<r>
+exposed_fraction=<f>`` (targets: tcp_vs_raw >= 0.8, nixl_vs_shm >= 0.5,
+exposed_fraction <= 0.2; TLS and grpc are reported, their cost is what they buy).
 
 ``--streams N`` pushes over N connections (default: what a worker on this host uses,
 2 on 8 or more cores, else 1).
@@ -38,6 +40,7 @@ import itertools
 import multiprocessing as mp
 import os
 import socket
+import tempfile
 import time
 from multiprocessing import shared_memory
 from typing import Any
@@ -56,7 +59,7 @@ CHUNK = 1 << 20
 
 
 def _compat() -> Any:
-    from splitserve_worker.kv.compat import Compat
+    from splitserve.kv_compat import Compat
 
     return Compat("bench", "float32", BLOCK, LAYERS, HEADS, DIM, "LKBTHD-v1")
 
@@ -123,38 +126,46 @@ def _tcp_receiver(port_q: Any, repeats: int) -> None:
                 conn.sendall(b"k")
 
 
-def _kv_receiver(backend: str, q_out: Any, q_in: Any) -> None:
+def _kv_receiver(backend: str, tls: tuple[str, str] | None, q_out: Any, q_in: Any) -> None:
     """A decode-side transport over a raw pool: leases added here, KV received into it."""
     torch.set_num_threads(1)
-    asyncio.run(_kv_receiver_async(backend, q_out, q_in))
+    asyncio.run(_kv_receiver_async(backend, tls, q_out, q_in))
 
 
-async def _kv_receiver_async(backend: str, q_out: Any, q_in: Any) -> None:
+async def _kv_receiver_async(
+    backend: str, tls: tuple[str, str] | None, q_out: Any, q_in: Any
+) -> None:
     import grpc
     from splitserve.grpc_options import SERVER_OPTIONS
     from splitserve.metric_registry import Metrics
     from splitserve_worker.kv.layout import PoolView
     from splitserve_worker.kv.lease import LeaseTable
+    from splitserve_worker.kv.tcp_tls import TlsConfig
     from splitserve_worker.kv.transport import BackendContext, create_receiver_backend
     from splitserve_worker.server.auth import TokenAuthInterceptor
     from splitserve_worker.server.handoff import DecodeHandoff
-    from splitserve_worker.server.push_sink import start_push_server
     from splitserve_worker.server.service import WorkerService, add_to_server
+    from splitserve_worker.server.tcp_sink import start_tcp_server
 
     pool = _pool()
     leases = LeaseTable()
     ctx = BackendContext(compat=_compat(), token=TOKEN, pool=PoolView(pool), leases=leases)
-    receiver = create_receiver_backend(backend, ctx)
-    handoff = DecodeHandoff(None, ctx.compat, PoolView(pool), leases, {backend: receiver},
+    names = {backend, "tcp"} if backend != "nixl" else {"nixl"}
+    receivers = {name: create_receiver_backend(name, ctx) for name in names}
+    handoff = DecodeHandoff(None, ctx.compat, PoolView(pool), leases, receivers,  # type: ignore[arg-type]
                             default_backend=backend, lease_seconds=600, address="",
                             metrics=Metrics())  # fmt: skip
     server = grpc.aio.server(interceptors=[TokenAuthInterceptor(TOKEN)], options=SERVER_OPTIONS)
     service = WorkerService(role="decode", engine=None, compat=ctx.compat, handoff=handoff,
-                            prefill=None, events=None, kv_backends=[backend])  # type: ignore[arg-type]  # fmt: skip
+                            prefill=None, events=None, kv_backends=sorted(names))  # type: ignore[arg-type]  # fmt: skip
     add_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    push = start_push_server(handoff, "127.0.0.1", 0, TOKEN) if backend == "grpc" else None
+    tcp = None
+    if "tcp" in names:
+        context = TlsConfig(*tls).server_context() if tls else None
+        tcp = start_tcp_server(handoff, "127.0.0.1", 0, TOKEN, context)
+    receiver = receivers[backend]
     q_out.put((f"127.0.0.1:{port}", receiver.backend_metadata()))
     loop = asyncio.get_running_loop()
     while True:
@@ -173,9 +184,10 @@ async def _kv_receiver_async(backend: str, q_out: Any, q_in: Any) -> None:
         lease = leases.add(rid, blocks, num_tokens=TOKENS, num_layers=LAYERS, ttl=600,
                            backend=backend)  # fmt: skip
         q_out.put(lease.lease_id)
-    if push is not None:
-        push.close()
-    receiver.close()
+    if tcp is not None:
+        tcp.close()
+    for r in receivers.values():
+        r.close()
     await server.stop(0)
 
 
@@ -213,19 +225,25 @@ class BackendRun:
     """A receiver process holding a pool; each run pushes all layers into fresh leases."""
 
     def __init__(
-        self, backend: str, src: torch.Tensor, blocks: list[int], streams: int = 0
-    ) -> None:
+        self, backend: str, src: torch.Tensor, blocks: list[int], streams: int = 0,
+        tls: tuple[str, str, str] | None = None,
+    ) -> None:  # fmt: skip
+        from splitserve_worker.kv.tcp_tls import TlsConfig
         from splitserve_worker.kv.transport import BackendContext, create_sender_backend
 
         self._blocks = blocks
         ctx = mp.get_context("spawn")
         self._q_out, self._q_in = ctx.Queue(), ctx.Queue()
-        self._p = ctx.Process(target=_kv_receiver, args=(backend, self._q_out, self._q_in),
+        served = (tls[0], tls[1]) if tls else None
+        self._p = ctx.Process(target=_kv_receiver,
+                              args=(backend, served, self._q_out, self._q_in),
                               daemon=True)  # fmt: skip
         self._p.start()
         self._address, self._metadata = self._q_out.get(timeout=120)
         self._compat = _compat()
-        sender_ctx = BackendContext(compat=self._compat, token=TOKEN, streams=streams)
+        sender_tls = TlsConfig(ca_file=tls[2]) if tls else None
+        sender_ctx = BackendContext(compat=self._compat, token=TOKEN, streams=streams,
+                                    tls=sender_tls)  # fmt: skip
         self._sender = create_sender_backend(backend, sender_ctx)
         self._backend, self._i = backend, 0
         # per layer, fresh K and V tensors: what the engine's layer-wise prefill hands over
@@ -286,22 +304,38 @@ class ShmRun:
         self._shm.unlink()
 
 
-def side_by_side(a: Any, b: Any, repeats: int) -> tuple[Measured, Measured]:
-    """Best GB/s of each, their runs interleaved so that load on the host hits both alike."""
+def side_by_side(runs: list[Any], repeats: int) -> list[Measured]:
+    """Best GB/s of each, their runs interleaved so that load on the host hits all alike."""
     for _ in range(2):  # warm-up: connections, page faults, registrations
-        a.once(), b.once()
-    a.cpu.reset(), b.cpu.reset()
-    ta = tb = float("inf")
+        for r in runs:
+            r.once()
+    for r in runs:
+        r.cpu.reset()
+    best = [float("inf")] * len(runs)
     for _ in range(repeats):
-        ta, tb = min(ta, a.once()), min(tb, b.once())
-    a.close()
-    b.close()
+        for i, r in enumerate(runs):
+            best[i] = min(best[i], r.once())
+    for r in runs:
+        r.close()
 
-    def measured(r: Any, best: float) -> Measured:
+    def measured(r: Any, t: float) -> Measured:
         n = r.cpu.spans
-        return Measured(NBYTES / best / 1e9, r.cpu.wall / n, r.cpu.send / n, r.cpu.recv / n)
+        return Measured(NBYTES / t / 1e9, r.cpu.wall / n, r.cpu.send / n, r.cpu.recv / n)
 
-    return measured(a, ta), measured(b, tb)
+    return [measured(r, t) for r, t in zip(runs, best, strict=True)]
+
+
+def tls_files(folder: str) -> tuple[str, str, str]:
+    """A CA and a certificate for 127.0.0.1 (certificate, key, CA), as a Secret would hold."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    paths = tuple(os.path.join(folder, n) for n in ("tls.crt", "tls.key", "ca.crt"))
+    cert.cert_chain_pems[0].write_to_path(paths[0])
+    cert.private_key_pem.write_to_path(paths[1])
+    ca.cert_pem.write_to_path(paths[2])
+    return paths  # type: ignore[return-value]
 
 
 def main() -> None:
@@ -316,9 +350,7 @@ def main() -> None:
         default="churn",
         help="the receiving block table: the allocator's after churn, or fixed",
     )
-    ap.add_argument(
-        "--streams", type=int, default=0, help="connections per grpc push (0: as a worker)"
-    )
+    ap.add_argument("--streams", type=int, default=0, help="connections per push (0: as a worker)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from splitserve_worker.kv.transport import unavailable_reason
@@ -328,19 +360,26 @@ def main() -> None:
     print(f"payload: {NBYTES / 2**20:.0f} MiB ({LAYERS} layers x {TOKENS} tokens) into "
           f"{len(blocks)} blocks of a {POOL_BLOCKS}-block pool ({args.blocks}: {runs(blocks)} "
           f"runs of consecutive blocks)", flush=True)  # fmt: skip
-    from splitserve_worker.kv.grpc_backend import default_streams
+    from splitserve_worker.kv.span_sender import default_streams
 
     streams = args.streams or default_streams()
-    grpc, tcp = side_by_side(BackendRun("grpc", src, blocks, streams),
-                             TcpRun(src, args.repeats + 2), args.repeats)  # fmt: skip
-    print(f"grpc backend {grpc.gbs:.2f} GB/s ({streams} stream{'s' * (streams > 1)} on "
-          f"{os.cpu_count()} cores)   plain TCP {tcp.gbs:.2f} GB/s", flush=True)  # fmt: skip
-    print(cpu_report("grpc", grpc, "TCP", tcp, NBYTES), flush=True)
+    with tempfile.TemporaryDirectory() as folder:
+        tcp, raw, tls, grpc = side_by_side([
+            BackendRun("tcp", src, blocks, streams), TcpRun(src, args.repeats + 2),
+            BackendRun("tcp", src, blocks, streams, tls=tls_files(folder)),
+            BackendRun("grpc", src, blocks, streams)], args.repeats)  # fmt: skip
+    plural = "s" * (streams > 1)
+    print(f"tcp backend {tcp.gbs:.2f} GB/s ({streams} stream{plural} on {os.cpu_count()} "
+          f"cores)   plain TCP {raw.gbs:.2f} GB/s   tcp over TLS {tls.gbs:.2f} GB/s   "
+          f"grpc backend {grpc.gbs:.2f} GB/s", flush=True)  # fmt: skip
+    print(cpu_report("tcp", tcp, "plain TCP", raw, NBYTES), flush=True)
+    print(cpu_report("TLS", tls, "tcp", tcp, NBYTES), flush=True)
+    print(cpu_report("grpc", grpc, "tcp", tcp, NBYTES), flush=True)
     nixl_reason = unavailable_reason("nixl")
     if nixl_reason:
-        nixl_gbs, shm = float("nan"), side_by_side(ShmRun(src), ShmRun(src), args.repeats)[0]
+        nixl_gbs, shm = float("nan"), side_by_side([ShmRun(src)], args.repeats)[0]
     else:
-        nixl, shm = side_by_side(BackendRun("nixl", src, blocks), ShmRun(src), args.repeats)
+        nixl, shm = side_by_side([BackendRun("nixl", src, blocks), ShmRun(src)], args.repeats)
         nixl_gbs = nixl.gbs
     print(f"nixl backend {nixl_gbs:.2f} GB/s   shared-memory copy {shm.gbs:.2f} GB/s"
           + (f"  (nixl skipped: {nixl_reason})" if nixl_reason else ""), flush=True)  # fmt: skip
@@ -348,10 +387,11 @@ def main() -> None:
         print(cpu_report("nixl", nixl, "the copy", shm, NBYTES), flush=True)
     exposed = float("nan")
     if not args.skip_model:
-        exposed = bench_exposed(args.model, "grpc", args.repeats, args.prompt_len)
-        print(f"exposed transfer after prefill (grpc, {args.prompt_len} tokens): "
+        exposed = bench_exposed(args.model, "tcp", args.repeats, args.prompt_len)
+        print(f"exposed transfer after prefill (tcp, {args.prompt_len} tokens): "
               f"{exposed:.4f} of the transfer time", flush=True)  # fmt: skip
-    print(f"RESULT grpc_vs_tcp={grpc.gbs / tcp.gbs:.3f} nixl_vs_shm={nixl_gbs / shm.gbs:.3f} "
+    print(f"RESULT tcp_vs_raw={tcp.gbs / raw.gbs:.3f} tls_vs_tcp={tls.gbs / tcp.gbs:.3f} "
+          f"grpc_vs_tcp={grpc.gbs / tcp.gbs:.3f} nixl_vs_shm={nixl_gbs / shm.gbs:.3f} "
           f"exposed_fraction={exposed:.4f}")  # fmt: skip
 
 

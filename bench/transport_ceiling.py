@@ -3,10 +3,9 @@
 References for ``bench/kv_transfer.py``'s ratios, with no KV, no pool and no
 leases in the way.
 
-grpcio itself: what the library moves when it carries the messages both ways (the
-``grpc`` backend's pushes no longer go through it: the decode worker's push port and
-the push client write and read the frames themselves, without grpcio's copies, and
-move more than this). The same 256 MiB (the same random bytes) in
+grpcio itself: what the library moves when it carries the messages both ways, the
+ceiling of the ``grpc`` backend (grpcio's PushKV; the ``tcp`` backend does without
+grpcio and its copies). The same 256 MiB (the same random bytes) in
 1 MiB messages, already built as ``bytes`` before the clock starts, streamed over
 one client-streaming call (and over 2 and 4 concurrent calls on separate
 channels) to a server that only counts them: no KV, no pool, no parsing. Both

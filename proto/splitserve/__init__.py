@@ -14,6 +14,8 @@ must agree on, and nothing else.
   engine (naming cached blocks) and the router (finding who holds a prefix).
 - :mod:`splitserve.grpc_options`: the channel and server options and the token metadata
   every gRPC client and server of the worker contract uses.
+- :mod:`splitserve.kv_compat`: the fields that make two workers' KV caches
+  interchangeable, their hash, and the check that names what differs.
 
 Modules here import the standard library only (``v1`` also needs protobuf and grpcio),
 so either side can use them without the other's dependencies.

@@ -50,7 +50,7 @@ LENGTHS = (3, 40, 700, 3000)
 MAX_NEW = 16
 NUM_BLOCKS = "1024"  # three workers share one GPU: each pool sized, not a share of free memory
 NIXL_SKIP = unavailable_reason("nixl")
-BACKENDS = ["grpc", pytest.param("nixl", marks=[pytest.mark.nixl, pytest.mark.skipif(
+BACKENDS = ["tcp", "grpc", pytest.param("nixl", marks=[pytest.mark.nixl, pytest.mark.skipif(
     NIXL_SKIP is not None, reason=NIXL_SKIP or "")])]  # fmt: skip
 BUILTIN_SHAPE: dict[str, Any] = dict(
     hidden_size=576,
@@ -95,7 +95,7 @@ def reference(model_f32: Path) -> list[list[int]]:
 
 
 def trio(path: Path) -> WorkerProcs:
-    backend = "grpc" if NIXL_SKIP else "nixl"
+    backend = "tcp" if NIXL_SKIP else "nixl"
     roles = [Role.PREFILL, Role.DECODE, Role.BOTH]
     extra = ["--device", "cuda", "--num-blocks", NUM_BLOCKS, "--checksums"]
     return WorkerProcs(str(path), roles, secrets.token_hex(8), kv_backend=backend,

@@ -16,8 +16,10 @@ from typing import Any
 
 import grpc
 import pytest
+from clock_kit import FakeClock
 from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.client import WorkerClient
+from splitserve_worker.kv import tcp_wire
 from splitserve_worker.kv.faults import FaultConfig
 from splitserve_worker.kv.nixl_common import loopback_env
 from splitserve_worker.kv.transport import unavailable_reason
@@ -40,15 +42,18 @@ def _one_thread() -> None:
 
 
 @asynccontextmanager
-async def workers(model: Path, *roles: str, **overrides: Any) -> AsyncIterator[list[RunningWorker]]:
+async def workers(
+    model: Path, *roles: str, clock: Any = None, **overrides: Any
+) -> AsyncIterator[list[RunningWorker]]:
     from splitserve_worker.models import load_model
 
     started: list[RunningWorker] = []
+    extra = {"clock": clock} if clock is not None else {}
     try:
         for role in roles:
             kw: dict[str, Any] = {"num_blocks": 400, "threads": 1, **overrides}
             cfg = WorkerConfig(role=role, model=str(model), token=TOKEN, **kw)  # type: ignore[arg-type]
-            started.append(await start_worker(cfg, loaded=load_model(str(model))))
+            started.append(await start_worker(cfg, loaded=load_model(str(model)), **extra))
         yield started
     finally:
         for w in started:
@@ -72,7 +77,7 @@ async def collect(stream: AsyncIterator[pb.TokenChunk]) -> tuple[list[int], str]
 
 
 async def disaggregated(p: WorkerClient, d: WorkerClient, rid: str, prompt: list[int],
-                        backend: str = "grpc") -> tuple[list[int], pb.PrefillResponse]:  # fmt: skip
+                        backend: str = "tcp") -> tuple[list[int], pb.PrefillResponse]:  # fmt: skip
     handle = await d.reserve(rid, len(prompt), kv_backend=backend)
     gen = asyncio.ensure_future(collect(d.generate(rid, prompt, SP, expect_remote_kv=True)))
     resp = await p.prefill(rid, prompt, SP, handle)
@@ -87,7 +92,7 @@ def clients(ws: list[RunningWorker]) -> list[WorkerClient]:
 
 @pytest.mark.parametrize(
     "backend",
-    ["grpc", pytest.param("nixl", marks=[pytest.mark.nixl, pytest.mark.skipif(
+    ["tcp", "grpc", pytest.param("nixl", marks=[pytest.mark.nixl, pytest.mark.skipif(
         NIXL_SKIP is not None, reason=NIXL_SKIP or "")])],
 )  # fmt: skip
 def test_disaggregated_tokens_match_colocated_in_process(
@@ -117,20 +122,29 @@ def test_disaggregated_tokens_match_colocated_in_process(
 
 
 def test_expired_lease_frees_every_reserved_block(tiny_model_path: Path) -> None:
+    # the worker's leases run on a clock the test moves: a Generate waiting on a lease
+    # that runs out ends DEADLINE_EXCEEDED, and the reaper frees every block
+    clock = FakeClock()
+
     async def scenario() -> None:
-        async with workers(tiny_model_path, "decode") as ws:
+        async with workers(tiny_model_path, "decode", clock=clock) as ws:
             (d,) = clients(ws)
             total = (await d.health()).total_blocks
-            await d.reserve("a", 100, lease_seconds=0.3)
-            await d.reserve("b", 1000, lease_seconds=0.3)
+            await d.reserve("a", 100, lease_seconds=10)
+            await d.reserve("b", 1000, lease_seconds=10)
             h = await d.health()
             assert h.free_blocks == total - 7 - 63 and h.leases == 2
             gen = asyncio.ensure_future(collect(d.generate("a", prompt_of(100), SP,
                                                            expect_remote_kv=True)))  # fmt: skip
+            clock.advance(9)
+            assert await ws[0].service.handoff.reap_once() == 0  # type: ignore[union-attr]
+            assert (await d.health()).leases == 2
+            clock.advance(1)
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await gen
             assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-            h = await all_free(d, 5.0)
+            assert "no Commit before the lease expired" in (e.value.details() or "")
+            h = await all_free(d, 10.0)
             assert (h.free_blocks, h.leases) == (total, 0)
 
     asyncio.run(scenario())
@@ -191,6 +205,41 @@ def test_compat_mismatch_is_refused_naming_the_difference(tiny_model_path: Path)
             assert "compat hash deadbeef differs" in (e.value.details() or "")
             h = await all_free(d)
             assert h.free_blocks == h.total_blocks
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("setting", "field", "words"),
+    [
+        ({"dtype": "bfloat16"}, "dtype", "dtype: this worker='float32', the caller='bfloat16'"),
+        ({"block_size": 32}, "block_size", "block_size: this worker=16, the caller=32"),
+    ],
+)
+def test_workers_that_differ_are_refused_from_their_own_hashes(
+    tiny_model_path: Path, setting: dict[str, Any], field: str, words: str
+) -> None:
+    # two real workers, one started with another --dtype or --block-size: each reports
+    # its own compat (no hash made up here), and the decode worker refuses to reserve for
+    # the other's KV, naming the field; a real handle from it is refused by the other
+    async def scenario() -> None:
+        other = {"dtype": "float32", **setting}
+        async with workers(tiny_model_path, "decode", dtype="float32") as (dw,), \
+                workers(tiny_model_path, "prefill", **other) as (pw,):  # fmt: skip
+            p, d = clients([pw, dw])
+            theirs, mine = (await p.health()).compat, (await d.health()).compat
+            assert theirs.hash != mine.hash and getattr(theirs, field) != getattr(mine, field)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await d.reserve("x", 10, compat=theirs)
+            assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert words in (e.value.details() or ""), e.value.details()
+            handle = await d.reserve("y", 10)  # no compat given: the prefill side checks
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await p.prefill("y", prompt_of(10), SP, handle)
+            assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert f"{field}: this worker=" in (e.value.details() or ""), e.value.details()
+            h = await all_free(d)
+            assert (h.free_blocks, h.leases) == (h.total_blocks, 0)
 
     asyncio.run(scenario())
 
@@ -313,10 +362,10 @@ def test_transfer_metrics_are_served(tiny_model_path: Path) -> None:
             for w, direction in ((ws[0], "sent"), (ws[1], "received")):
                 url = f"http://127.0.0.1:{w.metrics_port}/metrics"
                 texts[direction] = await asyncio.to_thread(_get_text, url)
-                want = (f'splitserve_kv_transfer_bytes_total{{backend="grpc",'
+                want = (f'splitserve_kv_transfer_bytes_total{{backend="tcp",'
                         f'direction="{direction}"}} {float(kv_bytes)}')  # fmt: skip
                 assert want in texts[direction], texts[direction][:2000]
-            count = 'splitserve_kv_transfer_duration_seconds_count{backend="grpc"} 1.0'
+            count = 'splitserve_kv_transfer_duration_seconds_count{backend="tcp"} 1.0'
             assert count in texts["sent"]
 
     asyncio.run(scenario())
@@ -336,7 +385,9 @@ def test_health_counts_prefills_in_progress(tiny_model_path: Path) -> None:
                 assert (await p.health()).prefilling == 0
                 prompt = prompt_of(40)
                 handle = await d.reserve("silent", len(prompt))
-                handle.decode_address = f"127.0.0.1:{silent.getsockname()[1]}"
+                port = silent.getsockname()[1]
+                handle.decode_address = f"127.0.0.1:{port}"
+                handle.backend_metadata = tcp_wire.handle_metadata(port, False)
                 call = asyncio.ensure_future(p.prefill("silent", prompt, SP, handle))
                 seen = 0
                 deadline = time.monotonic() + 10

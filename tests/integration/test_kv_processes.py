@@ -1,8 +1,9 @@
 """The KV handoff between real ``splitserve worker`` processes on 127.0.0.1.
 
 A request prefilled in one worker process and decoded in another must give the same
-greedy tokens as the same request on one ``both`` worker, over ``grpc`` and ``nixl``;
-killing either side mid-way must leave no block held on the other.
+greedy tokens as the same request on one ``both`` worker, over ``tcp``, ``grpc`` and
+``nixl``; killing either side mid-way (stopped at a fault-hold point, so the kill lands
+exactly there) must leave no block held on the other.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,7 @@ import grpc
 import pytest
 from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.client import WorkerClient
+from splitserve_worker.kv.faults import ENV_HOLD_DIR, hold_files
 from splitserve_worker.kv.nixl_common import loopback_tls
 from splitserve_worker.kv.transport import unavailable_reason
 from worker_kit import all_free, collect, prompt_of, split_request
@@ -30,7 +33,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TOKEN = "process-token"
 NIXL_SKIP = unavailable_reason("nixl")
 SP = pb.SamplingParams(max_tokens=12, ignore_eos=True)
-BACKENDS = ["grpc", pytest.param("nixl", marks=[pytest.mark.nixl, pytest.mark.skipif(
+BACKENDS = ["tcp", "grpc", pytest.param("nixl", marks=[pytest.mark.nixl, pytest.mark.skipif(
     NIXL_SKIP is not None, reason=NIXL_SKIP or "")])]  # fmt: skip
 
 
@@ -47,10 +50,12 @@ class Proc:
         self.popen.wait(timeout=10)
 
 
-def spawn(model: Path, role: str, *extra: str) -> Proc:
+def spawn(model: Path, role: str, *extra: str, holds: Path | None = None) -> Proc:
     env = dict(os.environ, SPLITSERVE_WORKER_TOKEN=TOKEN, OMP_NUM_THREADS="1",
                UCX_TLS=loopback_tls(), UCX_NET_DEVICES="lo",
                TOKENIZERS_PARALLELISM="false")  # fmt: skip
+    if holds is not None:
+        env[ENV_HOLD_DIR] = str(holds)
     cmd = [sys.executable, "-m", "splitserve.cli", "worker", "--role", role,
            "--model", str(model), "--port", "0", "--threads", "1", "--num-blocks", "600",
            *extra]  # fmt: skip
@@ -77,7 +82,7 @@ def spawn(model: Path, role: str, *extra: str) -> Proc:
 
 @pytest.fixture(scope="module")
 def trio(tiny_model_path: Path) -> Iterator[dict[str, Proc]]:
-    backend = "grpc" if NIXL_SKIP else "nixl"
+    backend = "tcp" if NIXL_SKIP else "nixl"
     procs: dict[str, Proc] = {}
     try:
         for role in ("prefill", "decode", "both"):
@@ -93,20 +98,36 @@ def trio(tiny_model_path: Path) -> Iterator[dict[str, Proc]]:
                 p.kill()
 
 
+async def arrived(reached: Path, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not reached.exists():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
 async def push_to_frozen_decode(
-    p: WorkerClient, victim: Proc, rid: str, backend: str
+    p: WorkerClient, victim: Proc, rid: str, backend: str, holds: Path
 ) -> grpc.aio.AioRpcError:
-    """A 4,000-token prefill on ``p`` whose decode worker ``victim`` is frozen once its
-    blocks are reserved (the push starts but is never acknowledged), then killed: the
-    error the prefill ends with."""
+    """A 4,000-token prefill on ``p`` whose decode worker ``victim`` stops once the push
+    has begun (tcp, grpc: held once the first span landed, so it never acknowledges;
+    nixl, whose writes need no help from it: frozen once the prefill runs), then killed:
+    the error the prefill ends with."""
     d = WorkerClient(victim.address, TOKEN)
     prompt = prompt_of(4000)
     handle = await d.reserve(rid, len(prompt), kv_backend=backend)
-    victim.popen.send_signal(signal.SIGSTOP)
+    armed, reached = (Path(f) for f in hold_files(str(holds), victim.popen.pid, "receive"))
+    armed.parent.mkdir(parents=True, exist_ok=True)
+    armed.touch()
     try:
         prefill = asyncio.ensure_future(p.prefill(rid, prompt, SP, handle))
-        await asyncio.sleep(1.5)
-        assert not prefill.done()
+        if backend == "nixl":
+            while not (await p.health()).prefilling:
+                await asyncio.sleep(0.01)
+            victim.popen.send_signal(signal.SIGSTOP)
+        else:
+            await arrived(reached, "the decode worker to hold mid-push")
+            assert not prefill.done()  # the decode worker holds: nothing can acknowledge
     finally:
         victim.kill()
         await d.close()
@@ -137,13 +158,14 @@ def test_tokens_across_processes_match_one_both_worker(trio: dict[str, Proc], ba
 
 
 def test_a_push_over_two_streams_matches_and_a_killed_decode_leaves_nothing_held(
-    trio: dict[str, Proc], tiny_model_path: Path
+    trio: dict[str, Proc], tiny_model_path: Path, tmp_path: Path
 ) -> None:
     """``--kv-streams 2`` (the default on hosts of 8 or more cores): each layer's spans
     arrive over two connections, out of order; the tokens are one ``both`` worker's, and
     a decode worker killed mid-push leaves the prefill worker holding nothing."""
     sender = spawn(tiny_model_path, "prefill", "--kv-streams", "2")
-    victim = spawn(tiny_model_path, "decode")
+    holds = tmp_path / "holds"
+    victim = spawn(tiny_model_path, "decode", holds=holds)
 
     async def scenario() -> None:
         p = WorkerClient(sender.address, TOKEN)
@@ -153,7 +175,7 @@ def test_a_push_over_two_streams_matches_and_a_killed_decode_leaves_nothing_held
             ref = await collect(b.generate(f"ref2-{n}", prompt, SP))
             got, _ = await split_request(p, d, f"two-{n}", prompt, SP)
             assert got == ref, n
-        err = await push_to_frozen_decode(p, victim, "doomed-2", "grpc")
+        err = await push_to_frozen_decode(p, victim, "doomed-2", "tcp", holds)
         assert "push failed" in (err.details() or ""), err.details()
         for c in (p, d):
             h = await all_free(c, 10)
@@ -170,14 +192,15 @@ def test_a_push_over_two_streams_matches_and_a_killed_decode_leaves_nothing_held
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_killed_mid_transfer_leaves_prefill_holding_nothing(
-    trio: dict[str, Proc], tiny_model_path: Path, backend: str
+    trio: dict[str, Proc], tiny_model_path: Path, backend: str, tmp_path: Path
 ) -> None:
-    victim = spawn(tiny_model_path, "decode", "--kv-backend", backend)
+    holds = tmp_path / "holds"
+    victim = spawn(tiny_model_path, "decode", "--kv-backend", backend, holds=holds)
 
     async def scenario() -> None:
         p = WorkerClient(trio["prefill"].address, TOKEN)
-        err = await push_to_frozen_decode(p, victim, "doomed", backend)
-        # grpc: the stream breaks; nixl: the writes fail, or they land and Commit cannot
+        err = await push_to_frozen_decode(p, victim, "doomed", backend, holds)
+        # tcp, grpc: the stream breaks; nixl: the writes fail, or they land and Commit cannot
         details = err.details() or ""
         assert "push failed" in details or (backend == "nixl" and "Commit" in details), details
         h = await all_free(p, 10)
@@ -192,9 +215,10 @@ def test_decode_killed_mid_transfer_leaves_prefill_holding_nothing(
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_killed_mid_prefill_leaves_decode_holding_nothing(
-    trio: dict[str, Proc], tiny_model_path: Path, backend: str
+    trio: dict[str, Proc], tiny_model_path: Path, backend: str, tmp_path: Path
 ) -> None:
-    victim = spawn(tiny_model_path, "prefill", "--kv-backend", backend)
+    holds = tmp_path / "holds"
+    victim = spawn(tiny_model_path, "prefill", "--kv-backend", backend, holds=holds)
 
     async def scenario() -> None:
         p = WorkerClient(victim.address, TOKEN)
@@ -206,15 +230,20 @@ def test_prefill_killed_mid_prefill_leaves_decode_holding_nothing(
         held = await d.health()
         assert held.free_blocks == before.free_blocks - 250 and held.leases == before.leases + 1
         gen = asyncio.ensure_future(collect(d.generate(rid, prompt, SP, expect_remote_kv=True)))
+        armed, reached = (Path(f) for f in hold_files(str(holds), victim.popen.pid, "push"))
+        armed.parent.mkdir(parents=True, exist_ok=True)
+        armed.touch()
         prefill = asyncio.ensure_future(p.prefill(rid, prompt, SP, handle))
-        await asyncio.sleep(0.2)
-        victim.kill()
+        await arrived(reached, "the prefill worker to hold after its first layer")
+        victim.kill()  # mid-push: the first layer went to the transport, the rest never
         with pytest.raises(grpc.aio.AioRpcError):
             await asyncio.wait_for(prefill, 30)
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await asyncio.wait_for(gen, 30)
         assert e.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED)
-        h = await all_free(d, 20)  # nixl: lease (3 s) + grace before blocks are reused
+        # tcp, grpc: freed as the connection breaks; nixl: after the lease (3 s) and its
+        # grace, as the decode worker cannot tell a dead writer from a slow one
+        h = await all_free(d, 30)
         assert (h.free_blocks, h.leases) == (h.total_blocks, 0)
         await p.close()
         await d.close()

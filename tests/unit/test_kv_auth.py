@@ -66,3 +66,26 @@ def test_worker_config_checks_fields_and_hides_token() -> None:
         with pytest.raises(ConfigError) as e:
             WorkerConfig(role="decode", model="m", token="t", **kw)  # type: ignore[arg-type]
         assert words in str(e.value)
+
+
+def test_kv_tls_settings_are_checked_when_the_worker_is_configured(tmp_path: Path) -> None:
+    from splitserve_worker.kv.tcp_tls import TlsConfig, TlsError
+    from tls_kit import make_tls_files
+
+    files = make_tls_files(tmp_path)
+    ok = WorkerConfig(role="both", model="m", token="t", kv_tls=files.config())
+    assert ok.kv_tls.serves and ok.kv_tls.verifies
+    assert WorkerConfig(role="decode", model="m", token="t").kv_backend == "tcp"
+    with pytest.raises(TlsError, match="--kv-tls-cert and --kv-tls-key go together"):
+        TlsConfig(cert_file=str(files.cert))
+    with pytest.raises(TlsError, match="--kv-tls-server-name needs --kv-tls-ca"):
+        TlsConfig(server_name="x")
+    empty = tmp_path / "empty.pem"
+    empty.write_text("")
+    for kw, words in [
+        ({"cert_file": str(files.cert), "key_file": str(empty)}, "cannot load --kv-tls-cert"),
+        ({"cert_file": str(files.key), "key_file": str(files.cert)}, "cannot load --kv-tls-cert"),
+        ({"ca_file": str(tmp_path / "absent.pem")}, "cannot load --kv-tls-ca"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=words):
+            WorkerConfig(role="both", model="m", token="t", kv_tls=TlsConfig(**kw))  # type: ignore[arg-type]

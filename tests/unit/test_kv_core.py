@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from splitserve_worker.kv import compat as compat_mod
+from splitserve import kv_compat as compat_mod
+from splitserve.kv_compat import Compat, CompatError
 from splitserve_worker.kv import layout, transport
-from splitserve_worker.kv.compat import Compat, CompatError
 from splitserve_worker.kv.faults import FaultConfig, FaultInjector, Holds, InjectedFault
 from splitserve_worker.kv.layout import PoolView, as_bytes, block_spans, slot_runs, token_chunks
 from splitserve_worker.kv.lease import LeaseError, LeaseTable, State
@@ -43,6 +43,21 @@ def test_hash_only_difference_is_still_refused() -> None:
     other = Compat("tiny", "float32", 16, 4, 2, 16, "LKBTHD-v1", hash="f" * 64)
     with pytest.raises(CompatError, match="hash"):
         compat_mod.check(BASE, other)
+
+
+def test_an_engines_identity_is_hashed_beyond_the_fields_carried() -> None:
+    # a checkpoint's shape is in the hash though not on the wire: same fields, other hash
+    info = {**BASE.fields(), "architecture": "LlamaForCausalLM", "vocab_size": 100,
+            "hidden_size": 64}  # fmt: skip
+    one = Compat.from_mapping(info)
+    assert one.fields() == BASE.fields() and one.hash != BASE.hash
+    other = Compat.from_mapping({**info, "vocab_size": 101})
+    with pytest.raises(CompatError, match="same fields: the checkpoints differ"):
+        compat_mod.check(one, other)
+    assert Compat.from_mapping(dict(info)).hash == one.hash
+    for field in ("dtype", "block_size", "kv_heads"):
+        changed = Compat.from_mapping({**info, field: {"dtype": "bfloat16"}.get(field, 99)})
+        assert changed.hash != one.hash, field
 
 
 def test_from_mapping_requires_every_field() -> None:
@@ -145,6 +160,25 @@ def test_lease_lifecycle_and_expiry() -> None:
     assert len(table) == 0
 
 
+def test_a_lease_is_found_by_its_id_while_it_lives() -> None:
+    # what a tcp KV connection names; gone with the lease, whichever way it goes
+    clock = Clock()
+    table = LeaseTable(clock)
+    a = table.add("a", [1], num_tokens=4, num_layers=1, ttl=5, backend="tcp")
+    b = table.add("b", [2], num_tokens=4, num_layers=1, ttl=9, backend="tcp")
+    assert len(a.lease_id) == 16 and table.find(a.lease_id) is a and table.find(b.lease_id) is b
+    table.pop("a")
+    with pytest.raises(LeaseError, match="no reservation holds lease"):
+        table.find(a.lease_id)
+    clock.now += 9
+    assert table.now() == clock.now
+    with pytest.raises(LeaseError, match="expired"):
+        table.find(b.lease_id)  # expired, not yet reaped
+    assert table.expired() == [b]
+    with pytest.raises(LeaseError, match="no reservation holds lease"):
+        table.find(b.lease_id)
+
+
 def test_spans_in_any_order_complete_a_layer_only_once_all_arrived() -> None:
     # a push over several streams delivers a layer's spans out of order
     table = LeaseTable(Clock())
@@ -163,15 +197,18 @@ def test_spans_in_any_order_complete_a_layer_only_once_all_arrived() -> None:
     assert table.holds(again) and not table.holds(lease)  # same request, a new reservation
 
 
-def test_streams_per_push_follow_the_core_count() -> None:
-    from splitserve_worker.kv.grpc_backend import GrpcSenderBackend, default_streams
+@pytest.mark.parametrize("name", ["tcp", "grpc"])
+def test_streams_per_push_follow_the_core_count(name: str) -> None:
+    from splitserve_worker.kv.span_sender import default_streams
 
     assert [default_streams(c) for c in (1, 2, 4, 7, 8, 16, 64)] == [1, 1, 1, 1, 2, 2, 2]
-    backend = GrpcSenderBackend(transport.BackendContext(compat=BASE, streams=3))
-    assert backend.streams == 3
+    backend = transport.create_sender_backend(
+        name, transport.BackendContext(compat=BASE, streams=3)
+    )
+    assert backend.streams == 3  # type: ignore[attr-defined]
     backend.close()
     with pytest.raises(ValueError, match="1 to 8"):
-        GrpcSenderBackend(transport.BackendContext(compat=BASE, streams=9))
+        transport.create_sender_backend(name, transport.BackendContext(compat=BASE, streams=9))
 
 
 def test_nixl_on_one_host_adds_cuda_transports_where_gpus_are() -> None:
@@ -273,14 +310,16 @@ def test_fault_injector_fails_and_corrupts_on_demand() -> None:
 
 # ---- registry ----
 def test_registry_refuses_duplicates_and_unknown_names() -> None:
-    assert {"grpc", "nixl"} <= set(transport.backend_names())
+    assert transport.backend_names() == ["grpc", "nixl", "tcp"]
     with pytest.raises(ValueError, match="already registered"):
-        transport.register_backend("grpc", "somewhere.else")
+        transport.register_backend("tcp", sender="somewhere:else", receiver="somewhere:else")
     with pytest.raises(ValueError, match="unknown KV backend 'carrier-pigeon'"):
         transport.create_sender_backend("carrier-pigeon", transport.BackendContext(compat=BASE))
     with pytest.raises(ValueError, match="needs the pool"):
         transport.create_receiver_backend("grpc", transport.BackendContext(compat=BASE))
     assert transport.unavailable_reason("grpc") is None
+    assert transport.unavailable_reason("tcp") is None
+    assert "unknown KV backend" in (transport.unavailable_reason("rdma") or "")
 
 
 def test_arrivals_can_renew_a_lease() -> None:

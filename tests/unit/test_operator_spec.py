@@ -26,7 +26,7 @@ def test_defaults_match_the_crd() -> None:
     assert (spec.decode.replicas, spec.decode.gpus) == (1, 1)
     assert (spec.router.replicas, spec.router.gpus) == (1, 0)
     assert spec.router.service_type == ServiceType.CLUSTER_IP
-    assert spec.kv_transfer.backend == KvBackend.GRPC and spec.kv_transfer.lease_seconds == 30
+    assert spec.kv_transfer.backend == KvBackend.TCP and spec.kv_transfer.lease_seconds == 30
     assert spec.slo.percentile == 0.9 and spec.slo.ttft_seconds is None
     assert not spec.autoscaling.enabled and spec.autoscaling.interval_seconds == 30
     assert (spec.autoscaling.prefill.min_replicas, spec.autoscaling.prefill.max_replicas) == (1, 8)
@@ -91,7 +91,8 @@ def test_every_problem_is_listed_with_its_path_and_value() -> None:
     )
     assert "spec.decode.replicas: Input should be greater than or equal to 0 (got -1)" in found
     assert any(
-        p.startswith("spec.kvTransfer.backend: Input should be 'grpc' or 'nixl'") for p in found
+        p.startswith("spec.kvTransfer.backend: Input should be 'tcp', 'grpc' or 'nixl'")
+        for p in found
     )
     assert "spec.extra: Extra inputs are not permitted (got 1)" in found
     assert any(p.startswith("metadata.name") for p in found)

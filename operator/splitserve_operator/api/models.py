@@ -216,7 +216,7 @@ class RouterSpec(PoolSpec):
 
 
 class KvTransferSpec(SpecModel):
-    backend: KvBackend = KvBackend.GRPC
+    backend: KvBackend = KvBackend.TCP
     lease_seconds: Annotated[int, Field(ge=1, le=3600)] = 30
     """How long a decode worker holds blocks reserved for a transfer that has not
     finished; an expired lease frees them."""

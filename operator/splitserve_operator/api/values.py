@@ -102,6 +102,7 @@ class Dtype(StrEnum):
 
 
 class KvBackend(StrEnum):
+    TCP = "tcp"
     GRPC = "grpc"
     NIXL = "nixl"
 

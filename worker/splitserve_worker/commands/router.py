@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config", default=None, help="router settings, YAML or JSON (see RouterConfig)"
     )
-    p.add_argument("--kv-backend", choices=("grpc", "nixl"), default=None)
+    p.add_argument("--kv-backend", choices=("tcp", "grpc", "nixl"), default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--disaggregation", choices=("auto", "always", "never"), default=None)

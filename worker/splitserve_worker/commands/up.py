@@ -69,7 +69,7 @@ class WorkerProcs(AbstractContextManager["WorkerProcs"]):
         roles: Sequence[Role],
         token: str,
         threads: int = 1,
-        kv_backend: str = "grpc",
+        kv_backend: str = "tcp",
         extra_args: Sequence[str] = (),
         echo: bool = True,
     ) -> None:
@@ -270,7 +270,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--colocated", type=int, default=0, help="'both' workers (prefill and decode)")
-    p.add_argument("--kv-backend", choices=("grpc", "nixl"), default="grpc")
+    p.add_argument("--kv-backend", choices=("tcp", "grpc", "nixl"), default="tcp")
     p.add_argument(
         "--port", type=int, default=8000, help="router HTTP port on 127.0.0.1 (0: any free port)"
     )

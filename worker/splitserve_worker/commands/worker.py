@@ -16,6 +16,7 @@ import signal
 import sys
 
 from splitserve_worker.kv.faults import FaultConfig
+from splitserve_worker.kv.tcp_tls import TlsConfig, TlsError
 from splitserve_worker.server.auth import TOKEN_ENV, TokenError, load_token
 from splitserve_worker.server.config import KV_BACKENDS, ROLES, ConfigError, WorkerConfig
 
@@ -40,15 +41,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-port",
         type=int,
         default=0,
-        help="port a decode worker receives grpc KV pushes on (0: any free port; Reserve "
+        help="port a decode worker receives tcp KV pushes on (0: any free port; Reserve "
         "answers name it)",
     )
     p.add_argument(
         "--kv-backend",
         choices=KV_BACKENDS,
-        default="grpc",
-        help="KV transport this worker pushes with / offers in Reserve",
+        default="tcp",
+        help="KV transport a decode worker offers in Reserve by default (tcp: the fast "
+        "path; grpc: PushKV for any gRPC peer; nixl: NVIDIA NIXL); a prefill worker pushes "
+        "over whichever the Reserve answer names",
     )
+    p.add_argument(
+        "--kv-tls-cert",
+        default=None,
+        help="PEM certificate: serve the tcp KV port over TLS (with --kv-tls-key)",
+    )
+    p.add_argument("--kv-tls-key", default=None, help="PEM private key of --kv-tls-cert")
+    p.add_argument(
+        "--kv-tls-ca",
+        default=None,
+        help="PEM CA bundle: push tcp KV over TLS only, checking decode workers' "
+        "certificates against it",
+    )
+    p.add_argument("--kv-tls-server-name", default=None,
+                   help="name decode workers' certificates must carry (default: the CA's "
+                   "signature alone is checked)")  # fmt: skip
     p.add_argument(
         "--lease-seconds",
         type=float,
@@ -90,7 +108,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-streams",
         type=int,
         default=0,
-        help="concurrent connections a grpc KV push uses (0: 2 on 8 or more cores, else 1)",
+        help="concurrent connections a tcp or grpc KV push uses (0: 2 on 8 or more cores, else 1)",
     )
     p.add_argument(
         "--drain-seconds",
@@ -143,6 +161,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         threads=args.threads,
         checksums=args.checksums,
         kv_streams=args.kv_streams,
+        kv_tls=TlsConfig(
+            args.kv_tls_cert, args.kv_tls_key, args.kv_tls_ca, args.kv_tls_server_name
+        ),
         max_num_seqs=args.max_num_seqs,
         max_batch_tokens=args.max_batch_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
@@ -182,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
         die_with_parent(args.parent_pid)
     try:
         config = config_from_args(args)
-    except (TokenError, ConfigError, ValueError) as e:
+    except (TokenError, ConfigError, TlsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return asyncio.run(serve(config))

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from splitserve import kv_compat
 from splitserve.metric_registry import Metrics
 from splitserve.prefix_hash import block_hashes
 from splitserve.sampling import SamplingParams
@@ -104,7 +105,7 @@ class Engine:
         )
 
     def compat_hash(self) -> str:
-        return identity.compat_hash(self.compat_info())
+        return kv_compat.compat_hash(self.compat_info())
 
     def block_hashes(self, token_ids: Iterable[int]) -> list[int]:
         """Chained hashes of the full blocks of a prompt, as this engine caches them."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 import torch
@@ -47,7 +45,8 @@ def eos_ids(model: Any) -> set[int]:
 def compat_info(
     name: str, model: Any, shape: ModelShape, dtype: torch.dtype, block_size: int
 ) -> dict[str, Any]:
-    """Everything two engines must share for K/V to move between them."""
+    """Everything two engines must share for K/V to move between them: the contract's
+    :data:`~splitserve.kv_compat.FIELDS` and :data:`~splitserve.kv_compat.IDENTITY_FIELDS`."""
     cfg = model.config
     return {
         "model": name,
@@ -61,9 +60,3 @@ def compat_info(
         "head_dim": shape.head_dim,
         "kv_layout": KV_LAYOUT,
     }
-
-
-def compat_hash(info: dict[str, Any]) -> str:
-    """sha256 over the canonical JSON of :func:`compat_info`."""
-    canon = json.dumps(info, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canon.encode()).hexdigest()

@@ -1,10 +1,11 @@
-"""``KVLayer`` on the wire without protobuf's extra copies of the payload.
+"""``KVLayer`` (the ``grpc`` backend's message) without protobuf's extra copies of the
+payload.
 
 The bytes are exactly the protobuf encoding of ``splitserve.v1.KVLayer`` (any protobuf
 peer can read or write them), but :func:`encode` assembles the message in one pass from
 the K and V buffers (one copy: the one that makes the wire bytes), and :func:`decode`
 returns the payload as a ``memoryview`` into the received message (no copy), so the
-receiver copies each byte once, into the reserved blocks.
+worker's gRPC server copies each byte once more, into the reserved blocks.
 """
 
 from __future__ import annotations
@@ -54,10 +55,8 @@ def _key(num: int, wire: int) -> bytes:
     return _varint((num << 3) | wire)
 
 
-def encode_head(span: KVSpan, data_size: int) -> bytes:
-    """Every field of ``span`` but the payload, then the payload's key and length: what
-    precedes ``data_size`` payload bytes on the wire (the payload is the last field, so a
-    receiver knows where the bytes go before they arrive)."""
+def _head(span: KVSpan, data_size: int) -> bytes:
+    """Every field of ``span`` but the payload, then the payload's key and length."""
     head = bytearray()
     for num, text in ((_REQUEST_ID, span.request_id), (_LEASE_ID, span.lease_id),
                         (_COMPAT, span.compat_hash)):  # fmt: skip
@@ -79,7 +78,7 @@ def encode(span: KVSpan, parts: Sequence[memoryview | bytes] = ()) -> bytes:
     """The KVLayer bytes of ``span`` with ``data`` = the concatenation of ``parts``
     (``span.data`` when no parts are given)."""
     payload = list(parts) if parts else [span.data]
-    return b"".join([encode_head(span, sum(len(p) for p in payload)), *payload])
+    return b"".join([_head(span, sum(len(p) for p in payload)), *payload])
 
 
 class _Short(WireError):
@@ -145,25 +144,6 @@ def _field(span: KVSpan, buf: memoryview, i: int) -> tuple[int, int, int] | None
     elif field == _COMPAT:
         span.compat_hash = text
     return j + size, field, 0
-
-
-def decode_head(raw: bytes | bytearray | memoryview) -> tuple[KVSpan, int, int] | None:
-    """The fields before the payload, once ``raw`` (a message's first bytes) reaches the
-    payload's key and length: ``(span without data, payload offset, payload size)``. None
-    while more bytes are needed. A message without a payload field, or one whose first
-    bytes hold no payload field, reads as None until all of it has been given: parse that
-    whole with :func:`decode`."""
-    buf = memoryview(raw)
-    span = KVSpan()
-    i = 0
-    while i < len(buf):
-        got = _field(span, buf, i)
-        if got is None:
-            return None
-        i, field, size = got
-        if field == _DATA:
-            return span, i, size
-    return None
 
 
 def decode(raw: bytes | bytearray | memoryview) -> KVSpan:

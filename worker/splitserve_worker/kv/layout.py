@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 CHUNK_BYTES = 4 << 20
-"""Target payload of one KV message. The push port receives each in place, so per-message
-costs are all that size changes: 4 MiB spends a quarter less sending CPU than 1 MiB
-(``bench/kv_transfer.py``), and stays far under gRPC's message limit (64 MiB) where a
-push goes to a worker's gRPC port instead."""
+"""Target payload of one KV span. The tcp port receives each in place, so per-span costs
+are all that size changes: 4 MiB spent a quarter less sending CPU than 1 MiB
+(``bench/kv_transfer.py``), and stays far under gRPC's message limit (64 MiB) for the
+``grpc`` backend and the tcp wire's own (:data:`~.tcp_wire.MAX_SPAN_BYTES`)."""
 
 MAX_RUN_COPIES = 64
 """A CPU pool write split into at most this many stretches of consecutive slots is done

@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from splitserve.v1.worker_pb2 import PromptLogprobs
 
 
+LEASE_ID_BYTES = 8
+"""A lease id is this many random bytes, as hex (16 characters)."""
+
+
 class LeaseError(Exception):
     """No live reservation matches; the message says which and why."""
 
@@ -70,6 +74,12 @@ class LeaseTable:
         self._clock = clock
         self._lock = threading.Lock()
         self._by_request: dict[str, Lease] = {}
+        self._by_lease: dict[str, Lease] = {}
+
+    def now(self) -> float:
+        """The table's clock (seconds, monotonic): what expiries are measured on. The
+        handoff and the reaper read time here, so a test can move it."""
+        return self._clock()
 
     def __len__(self) -> int:
         with self._lock:
@@ -87,9 +97,10 @@ class LeaseTable:
     ) -> Lease:
         if ttl <= 0:
             raise ValueError(f"lease ttl must be > 0 seconds, got {ttl}")
+        lease_id = secrets.token_hex(LEASE_ID_BYTES)
         lease = Lease(
             request_id=request_id,
-            lease_id=secrets.token_hex(8),
+            lease_id=lease_id,
             block_ids=list(block_ids),
             num_tokens=num_tokens,
             num_layers=num_layers,
@@ -100,7 +111,10 @@ class LeaseTable:
         with self._lock:
             if request_id in self._by_request:
                 raise LeaseError(f"request {request_id!r} already holds a reservation")
+            if lease_id in self._by_lease:  # 64 random bits: never in practice
+                raise LeaseError(f"lease id {lease_id} is taken: Reserve again")
             self._by_request[request_id] = lease
+            self._by_lease[lease_id] = lease
         return lease
 
     def contains(self, request_id: str) -> bool:
@@ -111,6 +125,18 @@ class LeaseTable:
         """Whether ``lease`` is still the table's reservation for its request."""
         with self._lock:
             return self._by_request.get(lease.request_id) is lease
+
+    def find(self, lease_id: str) -> Lease:
+        """The live reservation holding ``lease_id`` (what a KV connection names), as
+        :meth:`get` checks it."""
+        with self._lock:
+            lease = self._by_lease.get(lease_id)
+        if lease is None:
+            raise LeaseError(
+                f"no reservation holds lease {lease_id!r} (never reserved, released, or "
+                "expired): Reserve again"
+            )
+        return self.get(lease.request_id, lease_id)
 
     def get(self, request_id: str, lease_id: str | None = None) -> Lease:
         with self._lock:
@@ -204,7 +230,10 @@ class LeaseTable:
 
     def pop(self, request_id: str) -> Lease | None:
         with self._lock:
-            return self._by_request.pop(request_id, None)
+            lease = self._by_request.pop(request_id, None)
+            if lease is not None:
+                self._by_lease.pop(lease.lease_id, None)
+            return lease
 
     def expired(self) -> list[Lease]:
         """Remove and return every lease past its expiry (attached ones live on)."""
@@ -217,6 +246,7 @@ class LeaseTable:
             ]
             for lease in gone:
                 del self._by_request[lease.request_id]
+                self._by_lease.pop(lease.lease_id, None)
         return gone
 
     def leases(self) -> list[Lease]:

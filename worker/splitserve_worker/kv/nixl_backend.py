@@ -248,10 +248,20 @@ class NixlSender:
         self._crc = [0] * (2 * n) if self._ctx.checksums else []
         self._layers_done: set[int] = set()
         self.stats = SendStats()
+        self._clock = self._ctx.clock
+        # the lease's length as far as this side can tell (a little less than the TTL)
+        self._ttl = target.deadline_unix - time.time() if target.deadline_unix else None
+        self._deadline = self._clock() + self._ttl if self._ttl is not None else None
 
     @property
     def failed(self) -> bool:
         return self._error is not None
+
+    @property
+    def in_flight(self) -> int:
+        """Layers posted whose writes have not completed yet."""
+        with self._lock:
+            return self._pending
 
     def fail(self, message: str, reason: str) -> None:
         with self._lock:
@@ -267,9 +277,10 @@ class NixlSender:
         except InjectedFault as e:
             self.fail(str(e), "injected")
             return
-        if self._t.deadline_unix and time.time() >= self._t.deadline_unix:
+        if self._deadline is not None and self._clock() >= self._deadline:
             # the decode side may already reuse these blocks: never write after the lease
-            self.fail(f"the lease of request {self._t.request_id!r} expired", "lease_expired")
+            self.fail(f"the lease of request {self._t.request_id!r} expired mid-push",
+                      "lease_expired")  # fmt: skip
             return
         if not self.stats.first_send:
             self.stats.first_send = time.monotonic()
@@ -323,6 +334,12 @@ class NixlSender:
     def layer_done(self, job: _Job, ok: bool) -> None:
         if not ok and self._error is None:
             self.fail(f"NIXL write of layer {job.layer} did not complete", "nixl")
+        if ok and self._ttl is not None:
+            # the decode side renews the lease as the layer's notification lands, about
+            # now (its grace after expiry covers the difference): one more lease from here
+            with self._lock:
+                assert self._deadline is not None
+                self._deadline = max(self._deadline, self._clock() + self._ttl)
         self._free.put(job.slot)
         with self._lock:
             self._pending -= 1

@@ -64,7 +64,8 @@ class NixlReceiver:
         try:
             rid, lid, layer, n = parse_notif(msg)
             lease = self._leases.get(rid, lid)
-            self._leases.record(lease, layer, 0, n, 2 * n * self._pool.token_bytes)
+            # a layer landing renews the lease, as a span does on the other backends
+            self._leases.record(lease, layer, 0, n, 2 * n * self._pool.token_bytes, renew=True)
         except (ValueError, LeaseError):
             return  # a stale or foreign notification: its lease is already gone
 

@@ -11,19 +11,21 @@ A backend has two roles, each its own small interface:
   (``backend_metadata``), and ``wait_layers`` at ``Commit`` until every layer of a lease
   has landed in its reserved blocks.
 
-Backends are registered by name with the module that builds them and imported only when
-first asked for, so a worker that never uses NIXL never imports it. Registering a name
-twice is refused.
+Backends (``tcp``, ``grpc``, ``nixl``) are registered by name with the factories that
+build each side, and imported only when first asked for, so a worker that never uses
+NIXL never imports it. Registering a name twice is refused.
 """
 
 from __future__ import annotations
 
 import importlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from splitserve_worker.kv.compat import Compat
+from splitserve.kv_compat import Compat
+
 from splitserve_worker.kv.faults import FaultConfig
 from splitserve_worker.kv.lease import Lease, LeaseTable
 
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from splitserve_worker.kv.layout import PoolView
+    from splitserve_worker.kv.tcp_tls import TlsConfig
 
 
 class TransferError(Exception):
@@ -132,61 +135,76 @@ class BackendContext:
     name_hint: str = "splitserve"
     """A stable, unique-per-process name (NIXL agent names are built from it)."""
     streams: int = 0
-    """Concurrent connections one push uses (``grpc``); 0: chosen by the core count, up to
-    :data:`MAX_STREAMS`."""
+    """Concurrent connections one push uses (``tcp``, ``grpc``); 0: chosen by the core
+    count, up to :data:`MAX_STREAMS`."""
+    tls: TlsConfig | None = None
+    """TLS for the ``tcp`` backend's connections (``None``: plain)."""
+    clock: Callable[[], float] = time.monotonic
+    """What a sender measures a lease's remaining time on (the decode side uses its
+    lease table's clock)."""
 
 
 @dataclass(frozen=True)
 class _Entry:
-    module: str
-    sender_factory: str = "make_sender_backend"
-    receiver_factory: str = "make_receiver_backend"
+    sender: str
+    """``module:factory`` building the prefill side from a :class:`BackendContext`."""
+    receiver: str
+    """``module:factory`` building the decode side."""
 
 
 _REGISTRY: dict[str, _Entry] = {}
 
 
-def register_backend(name: str, module: str) -> None:
-    """Make backend ``name`` available, built by ``module``'s factories; no duplicates."""
+def register_backend(name: str, *, sender: str, receiver: str) -> None:
+    """Make backend ``name`` available, built by the ``module:factory`` named for each
+    side; no duplicates."""
     if name in _REGISTRY:
-        raise ValueError(f"KV backend {name!r} is already registered (by {_REGISTRY[name].module})")
-    _REGISTRY[name] = _Entry(module)
+        raise ValueError(f"KV backend {name!r} is already registered (by {_REGISTRY[name]})")
+    _REGISTRY[name] = _Entry(sender, receiver)
 
 
 def backend_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def _factory(name: str, attr: str) -> Callable[[BackendContext], object]:
+def _entry(name: str) -> _Entry:
     entry = _REGISTRY.get(name)
     if entry is None:
         raise ValueError(f"unknown KV backend {name!r}: choose one of {backend_names()}")
-    module = importlib.import_module(entry.module)
-    fn: Callable[[BackendContext], object] = getattr(module, getattr(entry, attr))
+    return entry
+
+
+def _load(path: str) -> Callable[[BackendContext], object]:
+    module, _, attr = path.partition(":")
+    fn: Callable[[BackendContext], object] = getattr(importlib.import_module(module), attr)
     return fn
 
 
 def create_sender_backend(name: str, ctx: BackendContext) -> SenderBackend:
-    backend = _factory(name, "sender_factory")(ctx)
+    backend = _load(_entry(name).sender)(ctx)
     return backend  # type: ignore[return-value]
 
 
 def create_receiver_backend(name: str, ctx: BackendContext) -> ReceiverBackend:
     if ctx.pool is None or ctx.leases is None:
         raise ValueError("a receiving KV backend needs the pool and the lease table")
-    backend = _factory(name, "receiver_factory")(ctx)
+    backend = _load(_entry(name).receiver)(ctx)
     return backend  # type: ignore[return-value]
 
 
 def unavailable_reason(name: str) -> str | None:
-    """None if backend ``name`` can be used here, else why not."""
-    try:
-        module = importlib.import_module(_REGISTRY[name].module)
-    except KeyError:
+    """None if backend ``name`` can be used here, else why not (its sender's module may
+    say, with ``unavailable_reason()``)."""
+    if name not in _REGISTRY:
         return f"unknown KV backend {name!r}: choose one of {backend_names()}"
+    module = importlib.import_module(_REGISTRY[name].sender.partition(":")[0])
     check = getattr(module, "unavailable_reason", None)
     return check() if check is not None else None
 
 
-register_backend("grpc", "splitserve_worker.kv.grpc_backend")
-register_backend("nixl", "splitserve_worker.kv.nixl_backend")
+register_backend("tcp", sender="splitserve_worker.kv.tcp_sender:TcpSenderBackend",
+                 receiver="splitserve_worker.kv.span_receiver:make_tcp_receiver")  # fmt: skip
+register_backend("grpc", sender="splitserve_worker.kv.grpc_sender:GrpcSenderBackend",
+                 receiver="splitserve_worker.kv.span_receiver:make_grpc_receiver")  # fmt: skip
+register_backend("nixl", sender="splitserve_worker.kv.nixl_backend:make_sender_backend",
+                 receiver="splitserve_worker.kv.nixl_backend:make_receiver_backend")  # fmt: skip

@@ -170,8 +170,8 @@ class RouterConfig:
     disaggregation: str = "auto"
     """'auto': the cost model decides per request; 'always': remote prefill whenever a
     prefill worker is available; 'never': prefill on the decode worker."""
-    kv_backend: str = "grpc"
-    """KV transport asked of decode workers on Reserve: 'grpc' or 'nixl'."""
+    kv_backend: str = "tcp"
+    """KV transport asked of decode workers on Reserve: 'tcp', 'grpc' or 'nixl'."""
     max_retries: int = 2
     """Retries on another worker after a worker failure (each failure counts once)."""
     prefill_weights: PrefillWeights = field(default_factory=PrefillWeights)
@@ -190,8 +190,10 @@ class RouterConfig:
             raise ConfigError(
                 f"disaggregation must be 'auto', 'always' or 'never', got {self.disaggregation!r}"
             )
-        if self.kv_backend not in ("grpc", "nixl"):
-            raise ConfigError(f"kv_backend must be 'grpc' or 'nixl', got {self.kv_backend!r}")
+        if self.kv_backend not in ("tcp", "grpc", "nixl"):
+            raise ConfigError(
+                f"kv_backend must be 'tcp', 'grpc' or 'nixl', got {self.kv_backend!r}"
+            )
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> RouterConfig:

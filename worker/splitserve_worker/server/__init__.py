@@ -1,8 +1,9 @@
-"""The worker's gRPC server (contract ``splitserve.v1``): the servicer (``service``), the
-decode side of the KV handoff (``handoff``, ``push_sink``), the prefill side
-(``prefill``, which calls the decode worker's Commit and Release through the worker
-client), prefix-cache events, the token check, and ``app.start_worker``, which
-assembles a worker and closes whatever it started when a step fails.
+"""The worker's gRPC server (contract ``splitserve.v1``): the servicer (``service``),
+the decode side of the KV handoff (``handoff``, and ``tcp_sink``, the tcp KV port wired
+to it), the prefill side (``prefill``, which calls the decode worker's Commit and
+Release through the worker client), prefix-cache events, the token check, and
+``app.start_worker``, which assembles a worker and closes whatever it started when a
+step fails.
 
 May import: the contract, the worker client (:mod:`splitserve_worker.client`), the
 engine, the KV transports and ``metrics``; never the router or the commands.

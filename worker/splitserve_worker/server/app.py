@@ -5,16 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
 from splitserve.grpc_options import SERVER_OPTIONS
+from splitserve.kv_compat import Compat
 from splitserve.metric_registry import Metrics
 from splitserve.metric_server import MetricsServer, start_metrics_server
 
-from splitserve_worker.kv.compat import Compat
 from splitserve_worker.kv.layout import PoolView
 from splitserve_worker.kv.lease import LeaseTable
 from splitserve_worker.kv.transport import (
@@ -27,8 +29,8 @@ from splitserve_worker.server.config import WorkerConfig
 from splitserve_worker.server.events import EventHub
 from splitserve_worker.server.handoff import DecodeHandoff
 from splitserve_worker.server.prefill import PrefillRunner
-from splitserve_worker.server.push_sink import start_push_server
 from splitserve_worker.server.service import WorkerService, add_to_server
+from splitserve_worker.server.tcp_sink import start_tcp_server
 
 
 @dataclass
@@ -53,8 +55,11 @@ class RunningWorker:
         await self.server.wait_for_termination()
 
 
-async def start_worker(config: WorkerConfig, *, loaded: Any = None) -> RunningWorker:
-    """Load the model (unless ``loaded`` is given), start the engine and serve.
+async def start_worker(
+    config: WorkerConfig, *, loaded: Any = None, clock: Callable[[], float] = time.monotonic
+) -> RunningWorker:
+    """Load the model (unless ``loaded`` is given), start the engine and serve. ``clock``:
+    what leases are measured on (tests move it).
 
     When a step fails (a port taken, a KV backend that cannot start), everything started
     before it is closed again, the engine thread included, and the error is raised.
@@ -73,7 +78,7 @@ async def start_worker(config: WorkerConfig, *, loaded: Any = None) -> RunningWo
         engine = Engine(loaded, config.engine_config(), metrics)  # type: ignore[arg-type]
         aengine = AsyncEngine(engine).start()
         stack.push_async_callback(aengine.close)
-        compat = Compat.from_mapping(engine.compat_info(), engine.compat_hash())
+        compat = Compat.from_mapping(engine.compat_info())
 
         server = grpc.aio.server(
             interceptors=[TokenAuthInterceptor(config.token)], options=SERVER_OPTIONS
@@ -103,13 +108,17 @@ async def start_worker(config: WorkerConfig, *, loaded: Any = None) -> RunningWo
             streams=config.kv_streams,
             faults=config.faults,
             pool=PoolView(engine.kv.pool),
-            leases=LeaseTable(),
+            leases=LeaseTable(clock),
+            tls=config.kv_tls,
+            clock=clock,
             name_hint=f"splitserve-{config.role}-{port}",
         )
 
         handoff = None
         if config.serves_decode:
-            names = ["grpc"] if config.kv_backend == "grpc" else ["grpc", config.kv_backend]
+            # tcp and grpc cost nothing until used: a decode worker takes both, and NIXL
+            # when configured
+            names = sorted({"tcp", "grpc", config.kv_backend})
             receivers: dict[str, ReceiverBackend] = {}
             for name in names:
                 receivers[name] = create_receiver_backend(name, ctx)
@@ -148,8 +157,9 @@ async def start_worker(config: WorkerConfig, *, loaded: Any = None) -> RunningWo
         )
         add_to_server(service, server)
         if handoff is not None:
-            push = start_push_server(handoff, config.host, config.kv_port, config.token)
-            stack.callback(push.close)
+            tls = config.kv_tls.server_context() if config.kv_tls.serves else None
+            kv_port = start_tcp_server(handoff, config.host, config.kv_port, config.token, tls)
+            stack.callback(kv_port.close)
         await server.start()
         serving = True
         tasks = [asyncio.create_task(events.poll_forever(), name="kv-events")]

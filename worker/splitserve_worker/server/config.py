@@ -7,11 +7,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from splitserve_worker.kv.faults import FaultConfig
+from splitserve_worker.kv.tcp_tls import TlsConfig, TlsError
 from splitserve_worker.kv.transport import MAX_STREAMS
 
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
-KV_BACKENDS = ("grpc", "nixl")
+KV_BACKENDS = ("tcp", "grpc", "nixl")
+"""``tcp``: the fast path (one copy from the socket into the blocks); ``grpc``: grpcio's
+own PushKV, for any gRPC peer; ``nixl``: NVIDIA NIXL (RDMA where the hardware has it)."""
 
 
 class ConfigError(ValueError):
@@ -51,10 +54,11 @@ class WorkerConfig:
     metrics_port: int | None = None
     """Prometheus ``/metrics`` port; ``None`` serves no metrics."""
     kv_port: int = 0
-    """Port of the decode side's KV push server (``grpc`` backend); 0 picks a free one."""
+    """Port of the decode side's ``tcp`` KV server; 0 picks a free one (Reserve answers
+    name it)."""
     dtype: str = "auto"
     device: str | None = None
-    kv_backend: str = "grpc"
+    kv_backend: str = "tcp"
     """How this worker pushes KV (prefill) and what Reserve offers by default (decode)."""
     lease_seconds: float = 30.0
     """How long reserved blocks wait for their KV and Commit before they are freed."""
@@ -66,8 +70,11 @@ class WorkerConfig:
     checksums: bool = False
     """Per-layer crc32 on the KV stream and at Commit (catches corruption; costs a pass)."""
     kv_streams: int = 0
-    """Concurrent connections a ``grpc`` push uses; 0 chooses by core count (2 on 8 or
-    more, else 1)."""
+    """Concurrent connections a ``tcp`` or ``grpc`` push uses; 0 chooses by core count (2
+    on 8 or more, else 1)."""
+    kv_tls: TlsConfig = field(default_factory=TlsConfig)
+    """TLS for the ``tcp`` KV port (decode side: certificate and key) and its pushes
+    (prefill side: the CA); plain when empty."""
     max_num_seqs: int = 64
     max_batch_tokens: int = 2048
     prefill_chunk_tokens: int = 512
@@ -99,6 +106,14 @@ class WorkerConfig:
             raise ConfigError(
                 f"--kv-streams must be 0 (by core count) to {MAX_STREAMS}, got {self.kv_streams}"
             )
+        if self.kv_tls.serves or self.kv_tls.verifies:
+            try:  # the files are read now: a wrong one stops the worker before it serves
+                if self.kv_tls.serves:
+                    self.kv_tls.server_context()
+                if self.kv_tls.verifies:
+                    self.kv_tls.client_context()
+            except TlsError as e:
+                raise ConfigError(str(e)) from None
         try:  # the engine's own checks, said with the flags' names
             self.engine_config()
         except ValueError as e:

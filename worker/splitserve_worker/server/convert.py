@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from splitserve.kv_compat import Compat
 from splitserve.sampling import SamplingParams
 from splitserve.v1 import worker_pb2 as pb
 
-from splitserve_worker.kv.compat import Compat
 from splitserve_worker.kv.transport import TransferTarget
 
 if TYPE_CHECKING:

@@ -17,18 +17,18 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
+from splitserve import kv_compat as compat_mod
 from splitserve import metric_names as names
+from splitserve.kv_compat import Compat, CompatError
 from splitserve.metric_registry import Metrics
 from splitserve.v1 import worker_pb2 as pb
 
 from splitserve_worker.client import top_from_proto
-from splitserve_worker.kv import compat as compat_mod
-from splitserve_worker.kv.compat import Compat, CompatError
 from splitserve_worker.kv.faults import Holds
-from splitserve_worker.kv.grpc_receiver import GrpcReceiver
 from splitserve_worker.kv.kvwire import KVSpan
 from splitserve_worker.kv.layout import PoolView, as_bytes
 from splitserve_worker.kv.lease import Lease, LeaseError, LeaseTable, State
+from splitserve_worker.kv.span_receiver import SpanReceiver
 from splitserve_worker.kv.transport import ReceiverBackend, TransferError
 from splitserve_worker.server.convert import compat_from_proto, compat_to_proto
 from splitserve_worker.server.errors import RpcFailure
@@ -36,12 +36,21 @@ from splitserve_worker.server.errors import RpcFailure
 log = logging.getLogger(__name__)
 
 REAP_INTERVAL_S = 0.2
+SPAN_BACKENDS = ("tcp", "grpc")
+"""Backends whose spans arrive through this worker's own code (a push is open while a
+connection or call carries them); the others write into the blocks by themselves."""
 STALLED_PUSH_S = 5.0
 """A push that sent nothing this long past its lease's expiry loses the lease: its blocks
 are freed though the call is still open (its next message is refused)."""
 NIXL_GRACE_S = 5.0
 """A NIXL write cannot be recalled: blocks of an expired NIXL lease wait this much longer
 (the sender stops posting at the lease's expiry) before they can be reused."""
+
+
+class _Awaited(asyncio.Event):
+    """Set when a reservation is committed, or dropped (``dropped`` says why)."""
+
+    dropped: str | None = None
 
 
 class DecodeHandoff:
@@ -68,7 +77,7 @@ class DecodeHandoff:
         self.default_backend = default_backend
         self.lease_seconds = lease_seconds
         self.address = address
-        self._committed: dict[str, asyncio.Event] = {}
+        self._committed: dict[str, _Awaited] = {}
         self._busy: dict[str, int] = {}
         self._background: set[asyncio.Future[int]] = set()
         self._bytes = metrics.counter(names.KV_TRANSFER_BYTES)
@@ -108,7 +117,7 @@ class DecodeHandoff:
             ttl=ttl,
             backend=backend,
         )
-        self._committed[req.request_id] = asyncio.Event()
+        self._committed[req.request_id] = _Awaited()
         return pb.TransferHandle(
             request_id=req.request_id,
             decode_address=self.address,
@@ -126,13 +135,15 @@ class DecodeHandoff:
         lease = self.leases.pop(request_id)
         ev = self._committed.pop(request_id, None)
         if ev is not None:
+            ev.dropped = reason
             ev.set()  # wake a waiting Generate: it finds the lease gone
         if lease is not None:
-            self.receivers[lease.backend].forget(lease)
-            if lease.backend == "grpc" and self.grpc_receiver().placing(lease):
-                # a message is being received into the blocks off the loop: they are
+            receiver = self.receivers[lease.backend]
+            receiver.forget(lease)
+            if isinstance(receiver, SpanReceiver) and receiver.placing(lease):
+                # a span is being received into the blocks off the loop: they are
                 # freed once it has landed or its connection is cut
-                quiet = await asyncio.to_thread(self.grpc_receiver().quiesce, lease)
+                quiet = await asyncio.to_thread(receiver.quiesce, lease)
                 if not quiet:
                     log.error("a KV write into %s's blocks did not stop", request_id)
             if reason not in ("released", "finished"):
@@ -140,19 +151,15 @@ class DecodeHandoff:
         freed: int = await self.engine.release(request_id)
         return freed
 
-    # ---- the KV stream (backend grpc) ----
-    def grpc_receiver(self) -> GrpcReceiver:
-        r = self.receivers["grpc"]
-        assert isinstance(r, GrpcReceiver)
+    # ---- spans pushed over tcp or grpc ----
+    def span_receiver(self, backend: str) -> SpanReceiver:
+        r = self.receivers[backend]
+        assert isinstance(r, SpanReceiver)
         return r
 
-    def check_next(self, lease: Lease, msg: KVSpan) -> None:
-        """Whether a message after a push's first may still be written (any thread)."""
-        if msg.lease_id != lease.lease_id or msg.request_id != lease.request_id:
-            raise RpcFailure(
-                grpc.StatusCode.INVALID_ARGUMENT, "one PushKV stream carries one request"
-            )
-        if time.monotonic() >= lease.expires_at:
+    def check_next(self, lease: Lease) -> None:
+        """Whether a span after a push's first may still be written (any thread)."""
+        if self.leases.now() >= lease.expires_at:
             raise RpcFailure(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"the lease of request {lease.request_id!r} expired mid-push",
@@ -166,19 +173,24 @@ class DecodeHandoff:
                 f"the reservation of request {lease.request_id!r} was dropped mid-push",
             )
 
-    def count_received(self, nbytes: int) -> None:
-        self._bytes.labels("grpc", "received").inc(nbytes)
+    def count_received(self, backend: str, nbytes: int) -> None:
+        self._bytes.labels(backend, "received").inc(nbytes)
 
     async def push(self, messages: AsyncIterator[KVSpan]) -> pb.PushKVAck:
+        """A ``PushKV`` call (backend ``grpc``), on the event loop."""
         lease: Lease | None = None
         try:
             async for msg in messages:
                 if lease is None:
                     lease = self._open_push(msg)
                 else:
-                    self.check_next(lease, msg)
-                self.grpc_receiver().write(lease, msg)
-                self.count_received(len(msg.data))
+                    if msg.lease_id != lease.lease_id or msg.request_id != lease.request_id:
+                        raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
+                                         "one PushKV stream carries one request")  # fmt: skip
+                    self.check_next(lease)
+                self.span_receiver("grpc").write(lease, msg.layer, msg.start_token,
+                                                 msg.num_tokens, msg.data, msg.crc32)  # fmt: skip
+                self.count_received("grpc", len(msg.data))
                 if self.holds.directory:
                     await self.holds.wait_async("receive")
         except TransferError as e:
@@ -209,9 +221,23 @@ class DecodeHandoff:
             layers_received=lease.layers_complete, bytes_received=lease.bytes_received
         )
 
-    async def open_push(self, msg: KVSpan) -> Lease:
-        """:meth:`_open_push` for a push served off the event loop."""
-        return self._open_push(msg)
+    async def open_tcp_push(self, lease_id: str) -> Lease:
+        """The first span of a lease on a tcp connection (whose hello proved the token and
+        the compat hash), called on the loop from the connection's thread."""
+        try:
+            lease = self.leases.find(lease_id)
+        except LeaseError as e:
+            raise RpcFailure(grpc.StatusCode.NOT_FOUND, str(e)) from None
+        return self._open(lease, "tcp")
+
+    def _open(self, lease: Lease, backend: str) -> Lease:
+        if lease.backend != backend:
+            raise RpcFailure(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"request {lease.request_id!r} was reserved for {lease.backend!r}, not {backend}",
+            )
+        self._busy[lease.request_id] = self._busy.get(lease.request_id, 0) + 1
+        return lease
 
     def _open_push(self, msg: KVSpan) -> Lease:
         try:
@@ -227,13 +253,7 @@ class DecodeHandoff:
                 f"block {self.compat.block_size}): start both workers with the same model, "
                 "--dtype and --block-size",
             )
-        if lease.backend != "grpc":
-            raise RpcFailure(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"request {msg.request_id!r} was reserved for {lease.backend!r}, not grpc",
-            )
-        self._busy[lease.request_id] = self._busy.get(lease.request_id, 0) + 1
-        return lease
+        return self._open(lease, "grpc")
 
     def _drop_soon(self, request_id: str, reason: str) -> None:
         task = asyncio.ensure_future(self.drop(request_id, reason))
@@ -254,7 +274,7 @@ class DecodeHandoff:
         except LeaseError as e:
             raise RpcFailure(grpc.StatusCode.NOT_FOUND, str(e)) from None
         receiver = self.receivers[lease.backend]
-        wait = max(0.0, lease.expires_at - time.monotonic())
+        wait = max(0.0, lease.expires_at - self.leases.now())
         arrived = await asyncio.to_thread(receiver.wait_layers, lease, wait)
         if not arrived:
             await self.drop(lease.request_id, "incomplete")
@@ -273,14 +293,14 @@ class DecodeHandoff:
                     "its blocks are freed",
                 )
         first_logprob = req.first_token_logprob
-        # gRPC counts its bytes as they arrive; the others once, at their first Commit
-        counted = lease.backend == "grpc" or lease.state is not State.RESERVED
+        # spans are counted as they arrive; the others' bytes once, at their first Commit
+        counted = lease.backend in SPAN_BACKENDS or lease.state is not State.RESERVED
         first_top = top_from_proto(req.first_top_logprobs)
         prompt = req.prompt_logprobs if req.HasField("prompt_logprobs") else None
         self.leases.commit(lease, req.first_token, first_logprob, first_top, prompt)
         if not counted:
             self._bytes.labels(lease.backend, "received").inc(lease.bytes_received)
-        lease.expires_at = max(lease.expires_at, time.monotonic() + self.lease_seconds)
+        lease.expires_at = max(lease.expires_at, self.leases.now() + self.lease_seconds)
         ev = self._committed.get(req.request_id)
         if ev is not None:
             ev.set()
@@ -307,18 +327,22 @@ class DecodeHandoff:
         except LeaseError as e:
             raise RpcFailure(grpc.StatusCode.NOT_FOUND, str(e)) from None
         ev = self._committed.get(request_id)
-        remaining = max(0.0, lease.expires_at - time.monotonic())
+        remaining = max(0.0, lease.expires_at - self.leases.now())
+        expired = RpcFailure(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"request {request_id!r}: no Commit before the lease expired",
+        )
         if ev is not None and lease.state is State.RESERVED:
             try:
                 await asyncio.wait_for(ev.wait(), timeout=remaining)
             except TimeoutError:
                 await self.drop(request_id, "lease_expired")
-                raise RpcFailure(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"request {request_id!r}: no Commit before the lease expired",
-                ) from None
+                raise expired from None
         lease_now = self.leases.pop(request_id)
         self._committed.pop(request_id, None)
+        if ev is not None and ev.dropped == "lease_expired":  # by the reaper
+            await self.engine.release(request_id)
+            raise expired
         if lease_now is None or lease_now.state is not State.COMMITTED:
             await self.engine.release(request_id)
             raise RpcFailure(
@@ -339,14 +363,16 @@ class DecodeHandoff:
 
     # ---- reaper ----
     async def reap_once(self) -> int:
-        now = time.monotonic()
+        """Drop every lease past its expiry (NIXL's after a grace; one with a push open
+        only once that push has sent nothing for :data:`STALLED_PUSH_S` more): how many."""
+        now = self.leases.now()
         n = 0
         for lease in self.leases.leases():
             grace = NIXL_GRACE_S if lease.backend == "nixl" else 0.0
             if lease.state is State.ATTACHED or now < lease.expires_at + grace:
                 continue
             if self._busy.get(lease.request_id) and now < lease.expires_at + STALLED_PUSH_S:
-                continue  # the push handler sees the expiry at its next message
+                continue  # the push handler sees the expiry at its next span
             # (each span renews the lease: one this far past expiry has a sender that
             # stopped sending; a write under way into the blocks is waited for)
             await self.drop(lease.request_id, "lease_expired")

@@ -16,14 +16,14 @@ import time
 from typing import Any
 
 import grpc
+from splitserve import kv_compat as compat_mod
 from splitserve import metric_names as names
+from splitserve.kv_compat import CompatError
 from splitserve.metric_registry import Metrics
 from splitserve.sampling import SamplingParams
 from splitserve.v1 import worker_pb2 as pb
 
 from splitserve_worker.client import WorkerClients
-from splitserve_worker.kv import compat as compat_mod
-from splitserve_worker.kv.compat import CompatError
 from splitserve_worker.kv.transport import (
     BackendContext,
     KVSender,

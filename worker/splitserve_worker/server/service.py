@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+from splitserve.kv_compat import Compat
 from splitserve.sampling import SamplingError
 from splitserve.v1 import worker_pb2 as pb
 from splitserve.v1 import worker_pb2_grpc
 
 from splitserve_worker import __version__
-from splitserve_worker.kv.compat import Compat
 from splitserve_worker.kv.faults import Holds
 from splitserve_worker.kv.kvwire import KVSpan
 from splitserve_worker.server.convert import (

@@ -1,0 +1,312 @@
+"""The decode worker's ``tcp`` KV port: connections served one thread each, payloads
+received straight into the reserved blocks.
+
+Per connection: the handshake (:mod:`.tcp_wire`: a challenge, the sender's hello proving
+the worker token for this compat hash) within :attr:`Limits.handshake_timeout_s`, then
+frames until the sender closes. Each SPAN's header is checked whole before its payload is
+read; the :class:`SpanSink` says where the payload goes (views of the pool) and the
+kernel copies it there. Any refusal is an ERROR answer that ends that connection alone;
+bytes the sender still had in flight are read and dropped for a moment
+(:attr:`Limits.drain_s`) so that it reads the answer rather than a reset.
+
+Bounds: connections in all and per peer address, pushes (leases) open per connection, a
+handshake timeout and an idle timeout; every length is checked before use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import ssl
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from splitserve_worker.kv import tcp_wire as wire
+from splitserve_worker.kv.tcp_socket import PeerClosed, cut, recv_exact, recv_into, send_all, tune
+from splitserve_worker.kv.tcp_wire import Frame, Refusal, Status, WireError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_connections: int = 256
+    """Connections served at once, all peers together; more are turned away."""
+    max_per_peer: int = 64
+    """Connections served at once from one peer address (a prefill worker uses
+    ``--kv-streams`` per push in progress)."""
+    max_pushes_per_connection: int = 4
+    """Leases one connection may push at once (a sender pushes one at a time)."""
+    handshake_timeout_s: float = 10.0
+    """From accept to an accepted hello (TLS handshake included)."""
+    idle_timeout_s: float = 120.0
+    """Longest wait for the next bytes of a frame once the hello is accepted (senders
+    let pooled connections go after 30 s idle)."""
+    drain_s: float = 1.0
+    """After an ERROR answer, how long the sender's bytes in flight are read and dropped
+    before the close."""
+
+
+class Refused(Exception):
+    """A sink's refusal: the connection answers ERROR and ends."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.message)
+        self.refusal = refusal
+
+
+class SpanSink(Protocol):
+    """Where one connection's spans go (the decode side). Called on the connection's
+    thread; :class:`Refused` ends the connection with that answer."""
+
+    def target(self, frame: Frame) -> list[memoryview]:
+        """Buffers that take exactly ``frame.nbytes``, in order (K then V)."""
+        ...
+
+    def placed(self, frame: Frame) -> None:
+        """The payload of ``frame`` is in the buffers :meth:`target` gave."""
+        ...
+
+    def end(self, lease_id: str) -> tuple[int, int]:
+        """The sender ended ``lease_id``'s push here: (layers complete, bytes received)."""
+        ...
+
+    def close(self, error: BaseException | None) -> None:
+        """The connection is over (``error``: why, ``None`` for a close by the sender):
+        free whatever it still holds."""
+        ...
+
+
+class _Connection:
+    def __init__(self, server: TcpServer, sock: socket.socket, peer: str) -> None:
+        self._server = server
+        self._sock = sock
+        self.peer = peer
+        self._stop = [False]
+        self._open: set[str] = set()
+        self._sink: SpanSink | None = None
+
+    def abort(self) -> None:
+        """Cut the connection (any thread): a receive under way ends at once, and no
+        further read into the blocks starts."""
+        self._stop[0] = True
+        cut(self._sock)
+
+    def serve(self) -> None:
+        error: BaseException | None = None
+        try:
+            if self._handshake():
+                self._frames()
+        except Refused as e:
+            error = e
+            self._refuse(e.refusal)
+        except WireError as e:
+            error = e
+            self._refuse(Refusal(Status.INVALID_ARGUMENT, f"a malformed KV frame: {e}"))
+        except (OSError, ssl.SSLError) as e:  # the peer went away, timed out or was cut
+            error = e
+        finally:
+            if self._sink is not None:
+                self._sink.close(error)
+            with contextlib.suppress(OSError):
+                self._sock.close()
+
+    def _handshake(self) -> bool:
+        limits = self._server.limits
+        self._sock.settimeout(limits.handshake_timeout_s)
+        if self._server.tls is not None:
+            self._sock = self._server.tls.wrap_socket(self._sock, server_side=True)
+        nonce = os.urandom(wire.NONCE_BYTES)
+        send_all(self._sock, [wire.challenge(nonce)])
+        raw = recv_exact(self._sock, wire.HELLO.size)
+        refusal = wire.check_hello(raw, self._server.token, nonce, self._server.compat_hash)
+        if refusal is not None:
+            self._refuse(refusal)
+            return False
+        send_all(self._sock, [wire.ready()])
+        self._sock.settimeout(limits.idle_timeout_s)
+        self._sink = self._server.sinks(self.abort)
+        return True
+
+    def _frames(self) -> None:
+        assert self._sink is not None
+        head = bytearray(wire.FRAME.size)
+        view = memoryview(head)
+        while True:
+            got = self._sock.recv_into(view, len(head))
+            if not got:
+                if self._open:
+                    raise PeerClosed("the sender closed the connection mid-push")
+                return  # a close between pushes
+            if got < len(head):
+                recv_into(self._sock, [view[got:]])
+            frame = wire.parse_frame(head)
+            if frame.kind == wire.SPAN:
+                self._span(frame)
+            else:
+                self._end(frame)
+
+    def _span(self, frame: Frame) -> None:
+        assert self._sink is not None
+        if frame.lease_id not in self._open:
+            most = self._server.limits.max_pushes_per_connection
+            if len(self._open) >= most:
+                raise Refused(Refusal(
+                    Status.RESOURCE_EXHAUSTED,
+                    f"more than {most} pushes open on one KV connection: end one before "
+                    "starting another"))  # fmt: skip
+            self._open.add(frame.lease_id)
+        views = self._sink.target(frame)
+        if sum(len(v) for v in views) != frame.nbytes:
+            raise Refused(Refusal(Status.INTERNAL, "the span's buffers do not fit its length"))
+        recv_into(self._sock, views, stop=self._stop)
+        self._sink.placed(frame)
+
+    def _end(self, frame: Frame) -> None:
+        assert self._sink is not None
+        if frame.lease_id not in self._open:
+            raise WireError(f"END for lease {frame.lease_id}, which this connection never pushed")
+        layers, nbytes = self._sink.end(frame.lease_id)
+        self._open.discard(frame.lease_id)
+        send_all(self._sock, [wire.ack(frame.lease_id, layers, nbytes)])
+
+    def _refuse(self, refusal: Refusal) -> None:
+        """Answer ERROR, then read and drop what the sender still sends for a moment, so
+        it finds the answer before the close."""
+        with contextlib.suppress(OSError, ssl.SSLError, ValueError):
+            send_all(self._sock, [wire.error(refusal.status, refusal.message)])
+            socket.socket.shutdown(self._sock, socket.SHUT_WR)
+            self._sock.settimeout(self._server.limits.drain_s)
+            sink = bytearray(1 << 16)
+            left = 2 * wire.MAX_SPAN_BYTES
+            while left > 0 and not self._stop[0]:
+                got = self._sock.recv_into(sink)
+                if not got:
+                    break
+                left -= got
+
+
+class TcpServer:
+    """Listens on ``host:port`` (0: a free port, :attr:`port` says which) and serves each
+    connection on its own thread; ``sinks(abort)`` makes the sink of each accepted
+    connection (``abort`` cuts it)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        token: str,
+        compat_hash: str,
+        sinks: Callable[[Callable[[], None]], SpanSink],
+        tls: ssl.SSLContext | None = None,
+        limits: Limits | None = None,
+    ) -> None:
+        if not token:
+            raise ValueError("the KV port needs the worker token")
+        self.token = token
+        self.compat_hash = compat_hash
+        self.sinks = sinks
+        self.tls = tls
+        self.limits = limits or Limits()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self._listener = socket.create_server((host, port), family=family, backlog=256)
+        except OSError as e:
+            raise OSError(
+                f"cannot listen for KV pushes on {host}:{port}: {e.strerror}; choose another "
+                "--kv-port"
+            ) from None
+        self.port: int = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._conns: dict[int, _Connection] = {}
+        self._per_peer: dict[str, int] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="kv-tcp-accept", daemon=True)
+        self._thread.start()
+
+    @property
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    def _admit(self, peer: str) -> Refusal | None:
+        """Whether one more connection from ``peer`` may be served (under the lock)."""
+        limits = self.limits
+        if len(self._conns) >= limits.max_connections:
+            return Refusal(
+                Status.RESOURCE_EXHAUSTED,
+                f"this decode worker serves {limits.max_connections} KV connections already: "
+                "try another decode worker or again later",
+            )
+        if self._per_peer.get(peer, 0) >= limits.max_per_peer:
+            return Refusal(
+                Status.RESOURCE_EXHAUSTED,
+                f"{limits.max_per_peer} KV connections from {peer} are open already: lower "
+                "the prefill worker's concurrent pushes or --kv-streams",
+            )
+        return None
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                return  # closed
+            try:
+                tune(sock)
+            except OSError:  # already reset by the peer
+                sock.close()
+                continue
+            peer = str(addr[0])
+            conn = _Connection(self, sock, peer)
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                refusal = self._admit(peer)
+                if refusal is None:
+                    self._conns[id(conn)] = conn
+                    self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+            if refusal is not None:
+                self._turn_away(sock, refusal)
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="kv-tcp-conn",
+                             daemon=True).start()  # fmt: skip
+
+    def _turn_away(self, sock: socket.socket, refusal: Refusal) -> None:
+        """Refuse a connection over the limits without a thread for it: a plain peer reads
+        the ERROR in place of the challenge (a TLS peer just sees the close)."""
+        with contextlib.suppress(OSError):
+            if self.tls is None:
+                sock.send(wire.error(refusal.status, refusal.message), socket.MSG_DONTWAIT)
+        sock.close()
+
+    def _serve(self, conn: _Connection) -> None:
+        try:
+            conn.serve()
+        except Exception:  # a thread's last word: the cause is logged, the port serves on
+            log.exception("KV connection from %s failed", conn.peer)
+        finally:
+            with self._lock:
+                self._conns.pop(id(conn), None)
+                left = self._per_peer.get(conn.peer, 1) - 1
+                if left:
+                    self._per_peer[conn.peer] = left
+                else:
+                    self._per_peer.pop(conn.peer, None)
+
+    def close(self) -> None:
+        """Stop accepting and cut every connection (their pushes fail; threads exit)."""
+        with self._lock:
+            self._closed = True
+            conns = list(self._conns.values())
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for conn in conns:
+            conn.abort()
