@@ -25,8 +25,8 @@ from splitserve_operator.api.values import Pool
 from splitserve_operator.render.commands import (
     WORKER_METRICS_PORT,
 )
-from splitserve_operator.render.security import restricted_violations
 from splitserve_operator.render.replicas import plan_replicas
+from splitserve_operator.render.security import restricted_violations
 
 pytestmark = pytest.mark.unit
 
@@ -194,7 +194,7 @@ def _overlay_check(pool: str, field: str) -> Callable[[], None]:
             selector = objs[f"Deployment/demo-{pool}"]["spec"]["selector"]["matchLabels"]
             assert "kueue.x-k8s.io/queue-name" not in selector  # the selector never changes
         elif field == "annotations":
-            mine = {"sidecar.istio.io/inject": "false", "prometheus.io/port": "1"}
+            mine: dict[str, Any] = {"sidecar.istio.io/inject": "false", "prometheus.io/port": "1"}
             objs = objects({pool: {"podTemplate": {"annotations": mine}}})
             got = _template(objs, pool)["metadata"]["annotations"]
             assert got["sidecar.istio.io/inject"] == "false"
@@ -210,8 +210,8 @@ def _overlay_check(pool: str, field: str) -> Callable[[], None]:
             objs = objects({pool: {"podTemplate": {"schedulerName": "volcano"}}})
             assert pod(objs, pool)["schedulerName"] == "volcano"
         elif field == "topologySpreadConstraints":
-            zone = {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
-                    "whenUnsatisfiable": "DoNotSchedule"}  # fmt: skip
+            zone: dict[str, Any] = {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                    "whenUnsatisfiable": "DoNotSchedule"}  # fmt: skip
             mine = {**zone, "topologyKey": "kubernetes.io/hostname",
                     "labelSelector": {"matchLabels": {"app": "x"}}}  # fmt: skip
             objs = objects({pool: {"podTemplate": {"topologySpreadConstraints": [zone, mine]}}})
@@ -226,7 +226,7 @@ def _overlay_check(pool: str, field: str) -> Callable[[], None]:
                 volumes[-1] == volume and len(volumes) == len(pod(objects(), pool)["volumes"]) + 1
             )
         elif field == "volumeMounts":
-            overlay = {
+            overlay: dict[str, Any] = {
                 "volumes": [{"name": "ca", "secret": {"secretName": "corp-ca"}}],
                 "volumeMounts": [{"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True}],
             }

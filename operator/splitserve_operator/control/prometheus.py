@@ -224,18 +224,18 @@ class PrometheusSource:
             )
         except httpx.HTTPError as exc:
             raise MetricsUnavailable(f"Prometheus at {self.url} unreachable: {exc}") from exc
-        try:
-            payload = response.json()
-        except ValueError as exc:
-            raise MetricsUnavailable(
-                f"Prometheus at {self.url} answered HTTP {response.status_code}, not JSON"
-            ) from exc
         if response.status_code in (401, 403):
             raise MetricsUnavailable(
                 f"Prometheus at {self.url} refused the query (HTTP {response.status_code}): "
                 "give the operator its credentials (--prometheus-bearer-token-file, for "
                 "this URL with --prometheus-auth-url)"
             )
+        try:
+            payload = response.json()
+        except ValueError as exc:
+            raise MetricsUnavailable(
+                f"Prometheus at {self.url} answered HTTP {response.status_code}, not JSON"
+            ) from exc
         if response.status_code != 200 and payload.get("status") != "error":
             raise MetricsUnavailable(f"Prometheus at {self.url}: HTTP {response.status_code}")
         return parse_scalar(payload)

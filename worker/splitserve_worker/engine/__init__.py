@@ -14,7 +14,7 @@ A request's sampling parameters are the contract's :class:`splitserve.sampling.S
 and cached blocks are named by the contract's :mod:`splitserve.prefix_hash`.
 
 May import: torch, the contract package :mod:`splitserve`, and of the worker only
-:mod:`splitserve_worker.metrics` and :mod:`splitserve_worker.models`; never the router, the servers, the client or
-the KV transports. ``prefix_cache`` and ``block_pool`` are pure Python, importable
-without torch.
+:mod:`splitserve_worker.metrics` and :mod:`splitserve_worker.models`; never the router,
+the servers, the client or the KV transports. ``prefix_cache`` and ``block_pool`` are
+pure Python, importable without torch.
 """
