@@ -186,7 +186,7 @@ def test_command_lines() -> None:
     objs = objects(
         {
             "model": {"name": "served", "source": "org/weights"},
-            "kvTransfer": {"backend": "grpc", "leaseSeconds": 30},
+            "kvTransfer": {"backend": "grpc", "lease": "30s"},
         }
     )
     assert container(objs, "prefill")["command"] == ["splitserve"]
@@ -264,7 +264,7 @@ def test_the_worker_and_router_commands_accept_the_rendered_arguments() -> None:
     from splitserve.cli import build_parser
 
     parser = build_parser()
-    objs = objects({"kvTransfer": {"backend": "nixl", "leaseSeconds": 12}})
+    objs = objects({"kvTransfer": {"backend": "nixl", "lease": "12s"}})
     for pool in ("prefill", "decode", "router"):
         args = container(objs, pool)["args"]
         parsed = parser.parse_args(args)

@@ -221,3 +221,34 @@ def test_engine_settings_defaults_and_sizes() -> None:
     for bad in ("lots", "1.5.2Gi", True):
         with pytest.raises(ValueError, match="not a quantity"):
             quantity_bytes(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("500ms", 0.5), ("30s", 30), ("2m", 120), ("1m30s", 90), ("1.5h", 5400), ("250us", 0.00025),
+     ("250\u00b5s", 0.00025), ("100ns", 1e-7), (".5s", 0.5), ("1h2m3s4ms", 3723.004)],
+)  # fmt: skip
+def test_durations_read_as_go_writes_them(text: str, seconds: float) -> None:
+    from splitserve_operator.api.durations import format_duration, parse_duration
+
+    assert parse_duration(text) == pytest.approx(seconds)
+    assert parse_duration(format_duration(parse_duration(text))) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "5", "s", "-1s", "1 s", "1d", "1.2.3s", "5S", "1e3s"])
+def test_what_is_not_a_duration(text: str) -> None:
+    from splitserve_operator.api.durations import DURATION_PATTERN, parse_duration
+
+    with pytest.raises(ValueError, match="is not a duration such as 500ms"):
+        parse_duration(text)
+    assert not DURATION_PATTERN.match(text)
+
+
+def test_durations_are_written_back_in_their_shortest_plain_form() -> None:
+    from splitserve_operator.api.durations import format_duration
+
+    assert [format_duration(s) for s in (30, 0.5, 1.5, 0.00025, 3600)] == [
+        "30s", "500ms", "1500ms", "0.00025s", "3600s"
+    ]  # fmt: skip
+    spec = parse_spec({**MINIMAL, "slo": {"ttft": "1m30s"}})
+    assert spec.model_dump(by_alias=True, mode="json")["slo"]["ttft"] == "90s"

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # the HTTP client loads only where queries are made
 class AutoscaleConfig:
     resolution_s: float = 5.0
     """Seconds (s) between wake-ups of the kopf timer. Each InferenceService is
-    ticked at its own ``autoscaling.intervalSeconds`` (at least 5 s), so this
+    ticked at its own ``autoscaling.interval`` (at least 5 s), so this
     only bounds how late a tick can be."""
 
     window_s: float = 60.0

@@ -1,6 +1,6 @@
 """The autoscaling loop: Prometheus in, the planner's decision out to the cluster.
 
-Every ``autoscaling.intervalSeconds`` (per InferenceService; a kopf timer wakes
+Every ``autoscaling.interval`` (per InferenceService; a kopf timer wakes
 every ``AutoscaleConfig.resolution_s`` and skips services whose interval has
 not passed) :meth:`Autoscaler.tick`:
 
