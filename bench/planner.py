@@ -50,7 +50,7 @@ from splitserve_operator.planner.model import (
 )
 
 INTERVAL_S = 10.0
-"""Planner tick (the InferenceService's ``autoscaling.intervalSeconds``)."""
+"""Planner tick (the InferenceService's ``autoscaling.interval``)."""
 WINDOW_S = 30.0
 """Rate and percentile window of the PromQL queries."""
 FAST_WINDOW_S = 10.0

@@ -54,16 +54,23 @@ INVALID: list[tuple[str, Any, str]] = [
     ("bad-quantity", _spec(prefill__resources={"requests": {"memory": "lots"}}), "not a quantity"),
     ("unknown-backend", _spec(kvTransfer={"backend": "carrier-pigeon"}), "spec.kvTransfer.backend"),
     ("zero-lease", _spec(kvTransfer={"leaseSeconds": 0}), "spec.kvTransfer.leaseSeconds"),
-    ("percentile-as-percent", _spec(slo={"percentile": 90}), "spec.slo.percentile"),
+    ("percentile-of-a-hundred", _spec(slo={"percentile": 100}), "spec.slo.percentile"),
+    ("ttft-without-unit", _spec(slo={"ttft": "500"}), "is not a duration such as 500ms"),
+    ("ttft-in-two-forms", _spec(slo={"ttft": "1s", "ttftSeconds": 1}), "not both"),
+    (
+        "operator-label",
+        _spec(decode__podTemplate={"labels": {"app.kubernetes.io/component": "x"}}),
+        "the operator's own",
+    ),
     (
         "autoscaling-without-prometheus",
-        _spec(autoscaling={"enabled": True}, slo={"ttftSeconds": 1, "tpotSeconds": 0.1}),
+        _spec(autoscaling={"enabled": True}, slo={"ttft": "1s", "tpot": "100ms"}),
         "prometheusUrl is required",
     ),
     (
         "autoscaling-without-slo",
         _spec(autoscaling={"enabled": True, "prometheusUrl": "http://p:9090"}),
-        "slo.ttftSeconds",
+        "slo.ttft",
     ),
     (
         "min-above-max",
@@ -149,14 +156,30 @@ def test_the_charts_rbac_covers_every_call_the_operator_makes(
     kube, kube_client, start_operator, inference_service, wait_for
 ) -> None:
     """Replays create, update, drift repair, invalid spec, restart and delete, then checks
-    each API call against the ClusterRole the chart installs."""
+    each API call against the ClusterRole the chart installs, and the finalizers update
+    that owner-reference enforcement asks for each child with blockOwnerDeletion."""
     if chart.find_helm() is None:
         if os.environ.get("CI"):
             pytest.fail("helm is missing in CI: run bash .ci/install-tools.sh .venv")
         pytest.skip("helm is not installed (bash .ci/install-tools.sh .venv)")
     op = start_operator(resync_seconds=0.3)
-    kube_client.create(inference_service())
+    route = {"parentRefs": [{"name": "public"}]}
+    kube_client.create(inference_service(router={"httpRoute": route}))
     wait_for(lambda: len(kube.objects("apps/v1/deployments", "default")) == 3)
+    wait_for(lambda: kube.objects("gateway.networking.k8s.io/v1/httproutes", "default"))
+    from splitserve_operator.control.k8s import KINDS
+
+    children = [
+        obj
+        for kind in KINDS.values()
+        if kind.kind not in ("InferenceService", "Event")
+        for obj in kube.objects(f"{kind.api_version}/{kind.plural}", "default")
+    ]
+    assert len(children) >= 13, "every child the operator made (the Secret included)"
+    owner_calls = set(
+        chart.owner_reference_calls(children, {"InferenceService": "inferenceservices"})
+    )
+    assert owner_calls == {("splitserve.io", "inferenceservices/finalizers", "update")}
     kube_client.patch(INFERENCE_SERVICE, "default", "demo", {"spec": {"decode": {"replicas": 2}}})
 
     def decode_replicas() -> object:
@@ -183,7 +206,8 @@ def test_the_charts_rbac_covers_every_call_the_operator_makes(
         for s in kube.requests()
         if s.agent.startswith(("splitserve-operator/", "kopf/"))
     ]
-    calls = set(chart.api_calls(operator_calls))
+    calls = set(chart.api_calls(operator_calls)) | owner_calls
+    assert ("gateway.networking.k8s.io", "httproutes", "create") in calls
     operator_rules = chart.rules(chart.template(), "splitserve")
     missing = [c for c in sorted(calls) if not chart.allows(operator_rules, *c)]
     assert calls, "no API calls recorded"

@@ -194,7 +194,7 @@ def test_planner_decisions_reach_the_deployment_and_are_not_overwritten(
     kube_client.create(
         inference_service(
             decode={"replicas": 2, "gpus": 0},
-            slo={"ttftSeconds": 1.0, "tpotSeconds": 0.1},
+            slo={"ttft": "1s", "tpot": "100ms"},
             autoscaling={
                 "enabled": True,
                 "prometheusUrl": "http://prometheus:9090",

@@ -32,11 +32,11 @@ def _condition(body: dict[str, Any]) -> dict[str, Any]:
 def _autoscaled(inference_service: Any, url: str) -> dict[str, Any]:
     return inference_service(
         decode={"replicas": 2, "gpus": 0},
-        slo={"ttftSeconds": 1.0, "tpotSeconds": 0.05},
+        slo={"ttft": "1s", "tpot": "50ms"},
         autoscaling={
             "enabled": True,
             "prometheusUrl": url,
-            "intervalSeconds": 5,
+            "interval": "5s",
             "decode": {"minReplicas": 1, "maxReplicas": 4},
         },
     )

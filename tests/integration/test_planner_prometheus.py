@@ -140,11 +140,11 @@ def _start(
             NAMESPACE,
             prefill={"replicas": 1, "gpus": 0},
             decode={"replicas": 1, "gpus": 0},
-            slo={"ttftSeconds": 30.0, "tpotSeconds": tpot_slo, "percentile": 0.9},
+            slo={"ttft": "30s", "tpot": f"{tpot_slo}s", "percentile": 90},
             autoscaling={
                 "enabled": True,
                 "prometheusUrl": prometheus.url,
-                "intervalSeconds": 5,
+                "interval": "5s",
                 "prefill": {"minReplicas": 1, "maxReplicas": 2},
                 "decode": {"minReplicas": 1, "maxReplicas": 4},
             },

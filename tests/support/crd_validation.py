@@ -8,7 +8,7 @@ Test support (needs ``jsonschema`` and ``cel-python`` from the ``test`` extra):
    Draft 4 in JSON Schema terms: boolean ``exclusiveMinimum`` and the like);
 3. ``x-kubernetes-list-type: map`` keys must be unique;
 4. every ``x-kubernetes-validations`` CEL rule is evaluated with ``celpy`` on the
-   object it sits on.
+   object it sits on (``type: number`` values as doubles, as the API server gives them).
 
 :func:`problems` returns a list of messages (empty: accepted).
 """
@@ -92,13 +92,31 @@ def _program(rule: str) -> Any:
     return env.program(env.compile(rule))
 
 
+def as_cel_types(schema: Mapping[str, Any], value: Any) -> Any:
+    """``value`` with every ``type: number`` value a float: the API server hands CEL a
+    double there even where the JSON says ``90``."""
+    if schema.get("type") == "number" and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, dict):
+        props = schema.get("properties") or {}
+        extra = schema.get("additionalProperties")
+        return {
+            k: as_cel_types(props.get(k) or (extra if isinstance(extra, Mapping) else {}), v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list) and isinstance(schema.get("items"), Mapping):
+        return [as_cel_types(schema["items"], v) for v in value]
+    return value
+
+
 def cel_problems(schema: Mapping[str, Any], value: Any, root: str = "") -> list[str]:
     import celpy
 
     out = []
     for sub, item, path in _walk(schema, value, root):
         for check in sub.get("x-kubernetes-validations") or []:
-            result = _program(check["rule"]).evaluate({"self": celpy.json_to_cel(item)})
+            typed = as_cel_types(sub, item)
+            result = _program(check["rule"]).evaluate({"self": celpy.json_to_cel(typed)})
             if isinstance(result, Exception) or not bool(result):
                 out.append(f"{path or '<root>'}: {check.get('message', check['rule'])}")
     return out
@@ -121,11 +139,15 @@ def list_map_problems(schema: Mapping[str, Any], value: Any, root: str = "") -> 
     return out
 
 
-def problems(resource: Mapping[str, Any], crd: Mapping[str, Any] | None = None) -> list[str]:
+def problems(
+    resource: Mapping[str, Any],
+    crd: Mapping[str, Any] | None = None,
+    version: str = "v1alpha1",
+) -> list[str]:
     """Why the API server would refuse ``resource`` (empty: it would accept it)."""
     import jsonschema
 
-    schema = schema_of(crd or load_crd())
+    schema = schema_of(crd or load_crd(), version)
     value = apply_defaults(schema, resource)
     validator = jsonschema.Draft4Validator(schema)
     out = [

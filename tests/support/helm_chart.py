@@ -114,3 +114,17 @@ def api_calls(paths: Sequence[tuple[str, str, bool]]) -> Iterator[tuple[str, str
             "DELETE": "delete",
         }[method]
         yield group, resource, verb
+
+
+def owner_reference_calls(
+    objects: Sequence[Mapping[str, Any]], plurals: Mapping[str, str]
+) -> Iterator[tuple[str, str, str]]:
+    """(group, resource/finalizers, "update") that the API server's
+    OwnerReferencesPermissionEnforcement asks of whoever writes each of ``objects``: an
+    owner reference with ``blockOwnerDeletion: true`` needs update on the owner's
+    finalizers. ``plurals``: kind to resource name, for the owners' kinds."""
+    for obj in objects:
+        for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+            if ref.get("blockOwnerDeletion"):
+                group = str(ref["apiVersion"]).rpartition("/")[0]
+                yield group, f"{plurals[ref['kind']]}/finalizers", "update"

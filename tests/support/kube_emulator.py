@@ -69,6 +69,7 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "networking.k8s.io/v1/networkpolicies": {"kind": "NetworkPolicy"},
     "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "subresources": {"status"}},
     "events.k8s.io/v1/events": {"kind": "Event"},
+    "gateway.networking.k8s.io/v1/httproutes": {"kind": "HTTPRoute"},
     "splitserve.io/v1alpha1/inferenceservices": {
         "kind": "InferenceService",
         "singular": "inferenceservice",

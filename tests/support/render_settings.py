@@ -11,20 +11,27 @@ from render_helpers import container, objects
 ROUTER_SETTINGS = {"disaggregation": "never", "maxModelLen": 2048, "defaultMaxTokens": 64,
                    "maxRequestBytes": 1 << 20, "maxRetries": 0}  # fmt: skip
 
-ROUTER_SECTIONS: dict[str, dict[str, Any]] = {
-    "queues": {"prefillMaxWaiting": 7, "decodeMaxWaiting": 9, "prefillSlotsPerWorker": 3,
-               "decodeSlotsPerWorker": 5, "maxWaitSeconds": 2.5, "retryAfterSeconds": 4},
-    "timeouts": {"connectSeconds": 1.5, "prefillSeconds": 11, "firstTokenSeconds": 12,
-                 "interTokenSeconds": 13.5, "requestSeconds": 140,
-                 "healthIntervalSeconds": 0.25},
+ROUTER_SECTIONS: dict[str, dict[str, tuple[Any, Any]]] = {
+    "queues": {"prefillMaxWaiting": (7, 7), "decodeMaxWaiting": (9, 9),
+               "prefillSlotsPerWorker": (3, 3), "decodeSlotsPerWorker": (5, 5),
+               "maxWait": ("2500ms", 2.5), "retryAfter": ("4s", 4)},
+    "timeouts": {"connect": ("1500ms", 1.5), "prefill": ("11s", 11),
+                 "firstToken": ("12s", 12), "interToken": ("13.5s", 13.5),
+                 "request": ("2m20s", 140), "healthInterval": ("250ms", 0.25)},
 }  # fmt: skip
-"""Each field of a router settings section and where it lands in the router's config."""
+"""Each field of a router settings section as written in the spec, and the value the
+router's config gets."""
 ROUTER_SECTION_KEYS = {
-    "maxWaitSeconds": "max_wait_s", "retryAfterSeconds": "retry_after_s",
-    "connectSeconds": "connect_s", "prefillSeconds": "prefill_s",
-    "firstTokenSeconds": "first_token_s", "interTokenSeconds": "inter_token_s",
-    "requestSeconds": "request_s", "healthIntervalSeconds": "health_interval_s",
+    "maxWait": "max_wait_s", "retryAfter": "retry_after_s", "connect": "connect_s",
+    "prefill": "prefill_s", "firstToken": "first_token_s", "interToken": "inter_token_s",
+    "request": "request_s", "healthInterval": "health_interval_s",
 }  # fmt: skip
+DEPRECATED_SECTION_FIELDS = {
+    "queues": {"maxWaitSeconds": (2.5, "maxWait"), "retryAfterSeconds": (4, "retryAfter")},
+    "timeouts": {f"{name}Seconds": (1.5, name) for name in
+                 ("connect", "prefill", "firstToken", "interToken", "request", "healthInterval")},
+}  # fmt: skip
+"""Each deprecated field of a settings section: a value, and the field it is read as."""
 
 
 def snake(field: str) -> str:
@@ -64,12 +71,15 @@ def router_setting(field: str) -> Callable[[], None]:
 
 def router_section(section: str, field: str) -> Callable[[], None]:
     def check() -> None:
-        value = ROUTER_SECTIONS[section][field]
-        objs = objects({"router": {"settings": {section: {field: value}}}})
+        written, value = ROUTER_SECTIONS[section][field]
+        objs = objects({"router": {"settings": {section: {field: written}}}})
         _, cfg = router_config(objs)
         key = ROUTER_SECTION_KEYS.get(field, snake(field))
-        assert getattr(getattr(cfg, section), key) == value
+        got = getattr(getattr(cfg, section), key)
         _, default = router_config(objects())
+        assert got == value
+        if isinstance(getattr(getattr(default, section), key), int):  # Retry-After: whole
+            assert isinstance(got, int)
         assert getattr(getattr(default, section), key) != value
         base = objects()
         for pool in ("prefill", "decode"):
@@ -80,7 +90,7 @@ def router_section(section: str, field: str) -> Callable[[], None]:
 
 ENGINE_SETTINGS: dict[str, tuple[Any, Any]] = {
     "maxNumSeqs": (128, 128), "maxBatchTokens": (4096, 4096), "prefillChunkTokens": (256, 256),
-    "gpuMemoryFraction": (0.9, 0.9), "kvCacheMemory": ("2Gi", 2 << 30), "threads": (4, 4),
+    "gpuMemoryPercent": (90, 0.9), "kvCacheMemory": ("2Gi", 2 << 30), "threads": (4, 4),
 }  # fmt: skip
 """Each engine field as written in the spec, and the value the engine gets."""
 
@@ -102,10 +112,11 @@ def engine_setting(pool: str, field: str) -> Callable[[], None]:
                  "gpu_memory_fraction", "kv_cache_memory", "threads")  # fmt: skip
         kw = {k: parsed[k] for k in names}
         engine = vars(WorkerConfig(role=pool, model="m", token="t", **kw).engine_config())
-        name = "num_threads" if field == "threads" else snake(field)
+        flag = "gpu_memory_fraction" if field == "gpuMemoryPercent" else snake(field)
+        name = "num_threads" if field == "threads" else flag
         assert engine[name] == value
         default = vars(parser.parse_args(container(objects(), pool)["args"][1:]))
-        assert default[snake(field)] != parsed[snake(field)]
+        assert default[flag] != parsed[flag]
         # only this pool's workers roll
         other = "decode" if pool == "prefill" else "prefill"
         assert objs[f"Deployment/demo-{other}"] == objects()[f"Deployment/demo-{other}"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from typing import Any
 
 import helm_chart as chart
 import kubernetes_validate
@@ -47,8 +48,25 @@ def test_lint_strict() -> None:
         ("serviceMonitor.enabled=true",),
         ("operator.watchNamespaces={team-a,team-b}",),
         ("serviceAccount.create=false", "serviceAccount.name=existing", "rbac.create=false"),
+        (
+            "tests.inferenceService.name=smollm2",
+            "tests.inferenceService.namespace=team-a",
+            "tests.apiKeySecret.name=smollm2-api-key",
+        ),
+        (
+            "prometheus.url=https://thanos-querier.monitoring.svc:9091",
+            "prometheus.bearerTokenSecret.name=prometheus-reader",
+            "prometheus.caConfigMap.name=service-ca",
+        ),
     ],
-    ids=["defaults", "servicemonitor", "namespaced", "bring-your-own-account"],
+    ids=[
+        "defaults",
+        "servicemonitor",
+        "namespaced",
+        "bring-your-own-account",
+        "helm-test",
+        "prometheus-auth",
+    ],
 )
 def test_rendered_manifests_are_valid(sets: tuple[str, ...]) -> None:
     documents = chart.template(sets=sets, include_crds=True)
@@ -64,6 +82,19 @@ def test_the_operator_pod_is_restricted_and_runs_the_operator() -> None:
     (deployment,) = [d for d in chart.template() if d["kind"] == "Deployment"]
     pod = deployment["spec"]["template"]["spec"]
     assert restricted_violations(pod) == []
+    # no fixed IDs unless configured: the platform (OpenShift's restricted-v2) assigns them
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    (fixed,) = [
+        d
+        for d in chart.template(
+            sets=["podSecurityContext.runAsUser=2000", "podSecurityContext.fsGroup=2000"]
+        )
+        if d["kind"] == "Deployment"
+    ]
+    assert fixed["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 2000
     assert deployment["spec"]["replicas"] == 1
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
     (container,) = pod["containers"]
@@ -121,6 +152,10 @@ def test_operator_metrics_are_served_and_scraped_with_their_own_labels() -> None
         "unknownKey=1",
         "operator.watchNamespaces={Bad_NS}",
         "serviceMonitor.interval=soon",
+        "prometheus.bearerTokenFile=/var/run/secrets/token",  # for which Prometheus?
+        "prometheus.url=prometheus:9090",
+        "podSecurityContext.runAsNonRoot=false",
+        "tests.inferenceService.name=Bad_Name",
     ],
 )
 def test_values_schema_rejects_bad_values(bad: str) -> None:
@@ -140,3 +175,78 @@ def test_notes_render() -> None:
     assert (
         "kubectl get sisvc" in notes and "It serves InferenceServices in every namespace" in notes
     )
+
+
+def _operator_container(documents: list[dict[str, Any]]) -> dict[str, Any]:
+    (deployment,) = [d for d in documents if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return dict(container)
+
+
+def test_prometheus_credentials_reach_the_operator_for_their_url_only() -> None:
+    assert not [a for a in _operator_container(chart.template())["args"] if "prometheus" in a]
+    documents = chart.template(
+        sets=[
+            "prometheus.url=https://thanos-querier.monitoring.svc:9091",
+            "prometheus.bearerTokenSecret.name=prometheus-reader",
+            "prometheus.caConfigMap.name=service-ca",
+            "prometheus.caConfigMap.key=service-ca.crt",
+        ]
+    )
+    container = _operator_container(documents)
+    assert "--prometheus-auth-url=https://thanos-querier.monitoring.svc:9091" in container["args"]
+    assert (
+        "--prometheus-bearer-token-file=/var/run/secrets/prometheus/token/token"
+        in container["args"]
+    )
+    assert "--prometheus-ca-file=/var/run/secrets/prometheus/ca/service-ca.crt" in container["args"]
+    (deployment,) = [d for d in documents if d["kind"] == "Deployment"]
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["prometheus-token"]["secret"]["secretName"] == "prometheus-reader"
+    assert volumes["prometheus-ca"]["configMap"]["name"] == "service-ca"
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert {"/var/run/secrets/prometheus/token", "/var/run/secrets/prometheus/ca"} <= mounts
+    # the operator's own token, as a file already in the pod
+    own = _operator_container(
+        chart.template(
+            sets=[
+                "prometheus.url=https://p:9091",
+                "prometheus.bearerTokenFile=/var/run/secrets/kubernetes.io/serviceaccount/token",
+            ]
+        )
+    )
+    assert (
+        "--prometheus-bearer-token-file=/var/run/secrets/kubernetes.io/serviceaccount/token"
+        in own["args"]
+    )
+    # every flag the chart writes is one the operator's own CLI takes
+    import argparse
+
+    from splitserve_operator.commands.operator import add_arguments, prometheus_auth
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    auth = prometheus_auth(parser.parse_args(own["args"]))
+    assert auth is not None and auth.url == "https://p:9091"
+
+
+def test_helm_test_asks_the_router_for_its_models() -> None:
+    assert not [d for d in chart.template() if d["kind"] == "Pod"]  # nothing to ask
+    documents = chart.template(
+        sets=[
+            "tests.inferenceService.name=smollm2",
+            "tests.inferenceService.namespace=team-a",
+            "tests.apiKeySecret.name=smollm2-api-key",
+        ]
+    )
+    (test,) = [d for d in documents if d["kind"] == "Pod"]
+    assert test["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert test["metadata"]["namespace"] == "team-a"
+    spec = test["spec"]
+    assert spec["restartPolicy"] == "Never" and restricted_violations(spec) == []
+    (container,) = spec["containers"]
+    assert container["image"] == "splitserve/operator:0.1.0"  # Python, already pulled
+    env = {e["name"]: e for e in container["env"]}
+    assert env["ROUTER_URL"]["value"] == "http://smollm2-router.team-a.svc:8000"
+    assert env["API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "smollm2-api-key", "key": "key"}
+    assert "/v1/models" in container["args"][0]

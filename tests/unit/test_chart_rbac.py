@@ -13,6 +13,7 @@ pytestmark = pytest.mark.unit
 EXPECTED = {
     ("splitserve.io", "inferenceservices"): {"get", "list", "watch", "patch"},
     ("splitserve.io", "inferenceservices/status"): {"get", "patch"},
+    ("splitserve.io", "inferenceservices/finalizers"): {"update"},
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
     ("", "services"): {"get", "create", "patch"},
     ("", "configmaps"): {"get", "create", "patch"},
@@ -21,6 +22,7 @@ EXPECTED = {
     ("", "events"): {"create"},
     ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch"},
     ("policy", "poddisruptionbudgets"): {"get", "create", "patch"},
+    ("gateway.networking.k8s.io", "httproutes"): {"get", "create", "patch"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"get", "create", "patch"},
     ("rbac.authorization.k8s.io", "clusterroles"): {"bind"},
 }
@@ -89,3 +91,39 @@ def test_the_binding_names_the_operator_account(documents: list[dict]) -> None:
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "splitserve", "namespace": "splitserve-system"}
     ]
+
+
+def test_owner_references_may_block_deletion(documents: list[dict]) -> None:
+    """Children carry ``blockOwnerDeletion: true``; where the API server enforces
+    owner-reference permissions, that needs update on the owner's finalizers."""
+    from splitserve_operator.render.names import ServiceRef
+
+    assert ServiceRef("a", "b", "c").owner_reference()["blockOwnerDeletion"] is True
+    rules = chart.rules(documents, "splitserve")
+    assert chart.allows(rules, "splitserve.io", "inferenceservices/finalizers", "update")
+    assert not chart.allows(rules, "splitserve.io", "inferenceservices", "update")
+
+
+def test_tenants_get_inferenceservices_through_the_built_in_roles(documents: list[dict]) -> None:
+    roles = {
+        d["metadata"]["name"]: d
+        for d in documents
+        if d["kind"] == "ClusterRole" and d["metadata"]["name"].startswith("splitserve-")
+    }
+    edit, view = roles["splitserve-edit"], roles["splitserve-view"]
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    assert "rbac.authorization.k8s.io/aggregate-to-edit" not in view["metadata"]["labels"]
+    assert verbs(edit["rules"]) == {
+        ("splitserve.io", "inferenceservices"): {
+            "get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"
+        },
+        ("splitserve.io", "inferenceservices/status"): {"get"},  # the operator's to write
+    }  # fmt: skip
+    assert verbs(view["rules"]) == {
+        ("splitserve.io", "inferenceservices"): {"get", "list", "watch"},
+        ("splitserve.io", "inferenceservices/status"): {"get", "list", "watch"},
+    }
+    off = chart.template(sets=["rbac.aggregate=false"])
+    assert not [d for d in off if d["metadata"]["name"] in ("splitserve-edit", "splitserve-view")]

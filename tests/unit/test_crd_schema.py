@@ -11,6 +11,7 @@ import pytest
 import yaml
 from crd_validation import CRD_PATH, load_crd, problems, schema_of
 from splitserve_operator.api.parse import SpecError, parse_spec
+from splitserve_operator.api.values import Pool
 
 pytestmark = pytest.mark.unit
 
@@ -82,7 +83,11 @@ def _structural(schema: dict[str, Any], path: str = "") -> list[str]:
 
 
 def test_the_schema_is_structural() -> None:
-    assert _structural(schema_of(load_crd())) == []
+    schema = schema_of(load_crd())
+    assert _structural(schema) == []
+    # the API server refuses anything at the root's metadata but its type (a description
+    # included: "must not specify anything other than name and generateName")
+    assert schema["properties"]["metadata"] == {"type": "object"}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -115,7 +120,7 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
     (
         "gpu in resources",
         {"decode": {"resources": {"limits": {"nvidia.com/gpu": 1}}}},
-        "set GPUs with gpus",
+        "set accelerators with gpus",
     ),
     ("bad toleration operator", {"decode": {"tolerations": [{"operator": "Maybe"}]}}, "operator"),
     (
@@ -133,10 +138,12 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
     ("zero lease", {"kvTransfer": {"leaseSeconds": 0}}, "spec.kvTransfer.leaseSeconds"),
     ("nine streams", {"kvTransfer": {"streams": 9}}, "spec.kvTransfer.streams"),
     ("zero ttft", {"slo": {"ttftSeconds": 0}}, "spec.slo.ttftSeconds"),
-    ("percentile as percent", {"slo": {"percentile": 90}}, "spec.slo.percentile"),
+    ("percentile of 100", {"slo": {"percentile": 100}}, "whole percent"),
+    ("percentile not whole", {"slo": {"percentile": 90.5}}, "whole percent"),
+    ("percentile zero", {"slo": {"percentile": 0}}, "whole percent"),
     (
         "autoscaling without prometheus",
-        {"autoscaling": {"enabled": True}, "slo": {"ttftSeconds": 1, "tpotSeconds": 1}},
+        {"autoscaling": {"enabled": True}, "slo": {"ttft": "1s", "tpot": "1s"}},
         "prometheusUrl is required",
     ),
     (
@@ -162,7 +169,7 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
                 "prometheusUrl": "http://p",
                 "decode": {"minReplicas": 0},
             },
-            "slo": {"ttftSeconds": 1, "tpotSeconds": 1},
+            "slo": {"ttft": "1s", "tpot": "1s"},
         },
         "decode.minReplicas must be at least 1",
     ),
@@ -223,6 +230,198 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
         "negative timeout",
         {"router": {"settings": {"timeouts": {"interTokenSeconds": -1}}}},
         "spec.router.settings.timeouts.interTokenSeconds",
+    ),
+    # durations: strings of Go's syntax, within bounds; an old and a new form never both
+    ("ttft as a number", {"slo": {"ttft": 0.5}}, "spec.slo.ttft"),
+    ("duration without a unit", {"slo": {"ttft": "500"}}, "spec.slo.ttft"),
+    ("ttft too long", {"slo": {"ttft": "11m"}}, "ttft must be above 0 and at most 10m"),
+    ("zero tpot", {"slo": {"tpot": "0s"}}, "tpot must be above 0"),
+    ("both ttft forms", {"slo": {"ttft": "1s", "ttftSeconds": 1}}, "not both"),
+    ("lease below a second", {"kvTransfer": {"lease": "500ms"}}, "lease must be between"),
+    ("both lease forms", {"kvTransfer": {"lease": "10s", "leaseSeconds": 10}}, "not both"),
+    ("interval too short", {"autoscaling": {"interval": "1s"}}, "interval must be between"),
+    (
+        "retryAfter not whole seconds",
+        {"router": {"settings": {"queues": {"retryAfter": "1500ms"}}}},
+        "spec.router.settings.queues.retryAfter",
+    ),
+    (
+        "negative timeout duration",
+        {"router": {"settings": {"timeouts": {"interToken": "-1s"}}}},
+        "spec.router.settings.timeouts.interToken",
+    ),
+    (
+        "timeout in two forms",
+        {"router": {"settings": {"timeouts": {"request": "1m", "requestSeconds": 60}}}},
+        "not both",
+    ),
+    (
+        "zero queue wait",
+        {"router": {"settings": {"queues": {"maxWait": "0s"}}}},
+        "maxWait must be above 0",
+    ),
+    ("gpu percent zero", {"decode": {"engine": {"gpuMemoryPercent": 0}}}, "gpuMemoryPercent"),
+    ("gpu percent over", {"decode": {"engine": {"gpuMemoryPercent": 101}}}, "gpuMemoryPercent"),
+    (
+        "gpu share in two forms",
+        {"decode": {"engine": {"gpuMemoryPercent": 50, "gpuMemoryFraction": 0.5}}},
+        "not both",
+    ),
+    # accelerators and RDMA
+    (
+        "accelerator without a domain",
+        {"prefill": {"acceleratorResource": "gpu"}},
+        "acceleratorResource",
+    ),
+    (
+        "amd gpu in resources",
+        {
+            "decode": {
+                "acceleratorResource": "amd.com/gpu",
+                "resources": {"limits": {"amd.com/gpu": 1}},
+            }
+        },
+        "set accelerators with gpus",
+    ),
+    ("rdma without its resource", {"decode": {"rdma": {"count": 1}}}, "resource"),
+    ("rdma of no devices", {"decode": {"rdma": {"resource": "rdma/hca", "count": 0}}}, "count"),
+    # the pod template overlay
+    (
+        "an operator label",
+        {"prefill": {"podTemplate": {"labels": {"app.kubernetes.io/instance": "x"}}}},
+        "operator's own",
+    ),
+    (
+        "a label under splitserve.io",
+        {"decode": {"podTemplate": {"labels": {"splitserve.io/role": "prefill"}}}},
+        "operator's own",
+    ),
+    (
+        "an annotation under splitserve.io",
+        {"router": {"podTemplate": {"annotations": {"splitserve.io/config-hash": "x"}}}},
+        "splitserve.io/ are the operator's",
+    ),
+    (
+        "annotations in two places",
+        {"decode": {"podAnnotations": {"a": "1"}, "podTemplate": {"annotations": {"b": "2"}}}},
+        "not both",
+    ),
+    (
+        "a hostPath volume",
+        {"prefill": {"podTemplate": {"volumes": [{"name": "host", "hostPath": {"path": "/"}}]}}},
+        "exactly one of",
+    ),
+    (
+        "a volume of two sources",
+        {"prefill": {"podTemplate": {"volumes": [{"name": "v", "emptyDir": {}, "secret": {}}]}}},
+        "exactly one of",
+    ),
+    (
+        "the operator's volume name",
+        {"decode": {"podTemplate": {"volumes": [{"name": "cache", "emptyDir": {}}]}}},
+        "operator's volume names",
+    ),
+    (
+        "a mount over the operator's",
+        {
+            "decode": {
+                "podTemplate": {
+                    "volumes": [{"name": "v", "emptyDir": {}}],
+                    "volumeMounts": [{"name": "v", "mountPath": "/tmp"}],
+                }
+            }
+        },
+        "mount elsewhere",
+    ),
+    (
+        "a mount of no volume",
+        {"decode": {"podTemplate": {"volumeMounts": [{"name": "v", "mountPath": "/data"}]}}},
+        "must name a volume",
+    ),
+    (
+        "a router service account",
+        {"router": {"podTemplate": {"serviceAccountName": "reader"}}},
+        "prefill and decode pools only",
+    ),
+    (
+        "a scheduler with capitals",
+        {"prefill": {"podTemplate": {"schedulerName": "Volcano"}}},
+        "schedulerName",
+    ),
+    (
+        "a claim of both sources",
+        {
+            "decode": {
+                "podTemplate": {
+                    "resourceClaims": [
+                        {"name": "g", "resourceClaimName": "a", "resourceClaimTemplateName": "b"}
+                    ]
+                }
+            }
+        },
+        "one of them",
+    ),
+    (
+        "a spread without its rule",
+        {
+            "decode": {
+                "podTemplate": {"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "z"}]}
+            }
+        },
+        "whenUnsatisfiable",
+    ),
+    # rollouts
+    (
+        "a rollout that cannot move",
+        {"prefill": {"rollout": {"maxSurge": 0, "maxUnavailable": "0%"}}},
+        "cannot both be 0",
+    ),
+    (
+        "a gpu rollout that cannot move",
+        {"decode": {"rollout": {"maxUnavailable": 0}}},
+        "maxSurge defaults to 0",
+    ),
+    ("a surge over 100%", {"prefill": {"rollout": {"maxSurge": "150%"}}}, "percent"),
+    ("a negative surge", {"prefill": {"rollout": {"maxSurge": -1}}}, "number of pods"),
+    (
+        "a progress deadline under a minute",
+        {"prefill": {"rollout": {"progressDeadline": "30s"}}},
+        "progressDeadline must be between",
+    ),
+    # models
+    (
+        "a cache and a size limit",
+        {"model": {"name": "m", "cache": {"claimName": "c"}, "downloadSizeLimit": "10Gi"}},
+        "set one of them",
+    ),
+    (
+        "a cache for a claim's folder",
+        {"model": {"name": "m", "source": "pvc://w/m", "cache": {"claimName": "c"}}},
+        "drop cache",
+    ),
+    (
+        "a cache claim with capitals",
+        {"model": {"name": "m", "cache": {"claimName": "C"}}},
+        "claimName",
+    ),
+    (
+        "a size limit in words",
+        {"model": {"name": "m", "downloadSizeLimit": "big"}},
+        "downloadSizeLimit",
+    ),
+    # pods' IDs
+    ("running as root", {"podSecurityContext": {"runAsUser": 0}}, "runAsUser"),
+    # the HTTPRoute
+    ("a route to no gateway", {"router": {"httpRoute": {"parentRefs": []}}}, "parentRefs"),
+    (
+        "a route to a bad host",
+        {"router": {"httpRoute": {"parentRefs": [{"name": "gw"}], "hostnames": ["Bad_Host"]}}},
+        "hostnames",
+    ),
+    (
+        "a route timeout Gateway API cannot read",
+        {"router": {"httpRoute": {"parentRefs": [{"name": "gw"}], "requestTimeout": "1.5s"}}},
+        "requestTimeout",
     ),
 ]
 
@@ -285,3 +484,161 @@ def test_status_schema_carries_what_the_operator_writes() -> None:
         },
     }
     assert problems(crd_status) == []
+
+
+def _undescribed(schema: dict[str, Any], path: str) -> list[str]:
+    """Every node under ``path`` that ``kubectl explain`` would show without a description:
+    properties, list items and map values alike (but the root's metadata, which the API
+    server describes as ObjectMeta and lets no schema describe)."""
+    if path == "<root>.metadata":
+        return []
+    out = [] if str(schema.get("description") or "").strip() else [path]
+    for name, sub in (schema.get("properties") or {}).items():
+        out += _undescribed(sub, f"{path}.{name}")
+    if isinstance(schema.get("items"), dict):
+        out += _undescribed(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        out += _undescribed(schema["additionalProperties"], f"{path}{{}}")
+    return out
+
+
+def _strip_descriptions(schema: Any) -> Any:
+    if isinstance(schema, dict):
+        schema.pop("description", None)
+        for value in schema.values():
+            _strip_descriptions(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            _strip_descriptions(value)
+    return schema
+
+
+def test_every_field_has_a_description() -> None:
+    schema = schema_of(load_crd())
+    missing = _undescribed(schema, "<root>")
+    assert missing == [], f"{len(missing)} schema nodes without a description: {missing}"
+    # the walk reaches every node (one that stopped early would find nothing), and
+    # finds one without a description
+    described = _undescribed(_strip_descriptions(copy.deepcopy(schema)), "<root>")
+    assert len(described) > 300 and "<root>.spec.decode.podTemplate.volumes[].csi" in described
+    assert _undescribed({"properties": {"x": {"type": "string"}}, "description": "d"}, "r") == [
+        "r.x"
+    ]
+
+
+DEPRECATED: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    ("ttftSeconds", {"slo": {"ttftSeconds": 0.5}}, {"slo": {"ttft": "500ms"}}),
+    ("tpotSeconds", {"slo": {"tpotSeconds": 0.05}}, {"slo": {"tpot": "50ms"}}),
+    ("percentile fraction", {"slo": {"percentile": 0.95}}, {"slo": {"percentile": 95}}),
+    ("leaseSeconds", {"kvTransfer": {"leaseSeconds": 45}}, {"kvTransfer": {"lease": "45s"}}),
+    (
+        "intervalSeconds",
+        {"autoscaling": {"intervalSeconds": 60}},
+        {"autoscaling": {"interval": "60s"}},
+    ),
+    (
+        "gpuMemoryFraction",
+        {"decode": {"engine": {"gpuMemoryFraction": 0.85}}},
+        {"decode": {"engine": {"gpuMemoryPercent": 85}}},
+    ),
+    (
+        "maxWaitSeconds",
+        {"router": {"settings": {"queues": {"maxWaitSeconds": 2.5}}}},
+        {"router": {"settings": {"queues": {"maxWait": "2500ms"}}}},
+    ),
+    (
+        "retryAfterSeconds",
+        {"router": {"settings": {"queues": {"retryAfterSeconds": 4}}}},
+        {"router": {"settings": {"queues": {"retryAfter": "4s"}}}},
+    ),
+    *[
+        (
+            f"{name}Seconds",
+            {"router": {"settings": {"timeouts": {f"{name}Seconds": 1.5}}}},
+            {"router": {"settings": {"timeouts": {name: "1500ms"}}}},
+        )
+        for name in ("connect", "prefill", "firstToken", "interToken", "request", "healthInterval")
+    ],
+    (
+        "podAnnotations",
+        {"prefill": {"podAnnotations": {"a": "1"}}},
+        {"prefill": {"podTemplate": {"annotations": {"a": "1"}}}},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("old", "new"), [(o, n) for _, o, n in DEPRECATED], ids=[i for i, _, _ in DEPRECATED]
+)
+def test_deprecated_forms_are_accepted_read_as_the_new_ones_and_warned_of(
+    old: dict[str, Any], new: dict[str, Any]
+) -> None:
+    from splitserve_operator.api.deprecations import deprecations
+
+    assert problems(resource(**old)) == []
+    assert problems(resource(**new)) == []
+    old_spec, new_spec = resource(**old)["spec"], resource(**new)["spec"]
+    assert parse_spec(old_spec, name="demo") == parse_spec(new_spec, name="demo")
+    (warning,) = deprecations(old_spec)
+    assert "deprecated" in warning and deprecations(new_spec) == []
+
+
+def test_a_rounded_fraction_says_how_it_was_read() -> None:
+    from splitserve_operator.api.deprecations import deprecations
+
+    (warning,) = deprecations({"slo": {"percentile": 0.999}})
+    assert "0.999 is read as 99" in warning
+    assert (
+        parse_spec(
+            {"model": {"name": "m"}, "image": "i", "slo": {"percentile": 0.999}}
+        ).slo.percentile
+        == 99
+    )
+
+
+def test_examples_use_no_deprecated_field() -> None:
+    from splitserve_operator.api.deprecations import deprecations
+
+    for path in EXAMPLES:
+        assert deprecations(yaml.safe_load(path.read_text())["spec"]) == [], path.name
+
+
+def test_the_url_is_a_printer_column() -> None:
+    (version,) = load_crd()["spec"]["versions"]
+    columns = {c["name"]: c for c in version["additionalPrinterColumns"]}
+    assert columns["URL"]["jsonPath"] == ".status.url" and "priority" not in columns["URL"]
+
+
+def test_conditions_need_reason_message_time_and_generation() -> None:
+    """As metav1.Condition asks, with observedGeneration as well: what every writer (the
+    reconciler, the planner) sets, so that a reader never meets a half condition."""
+    from datetime import UTC, datetime
+
+    from splitserve_operator.api.status import PoolObservation, compute_status
+
+    item = schema_of(load_crd())["properties"]["status"]["properties"]["conditions"]["items"]
+    assert set(item["required"]) == {
+        "type",
+        "status",
+        "reason",
+        "message",
+        "lastTransitionTime",
+        "observedGeneration",
+    }
+    status = compute_status(
+        generation=3,
+        pools={pool: PoolObservation(replicas=1, ready=1) for pool in Pool},
+        desired={},
+        problems=[],
+        previous=None,
+        now=datetime(2026, 1, 1, tzinfo=UTC),
+        url="http://demo-router.ns.svc:8000",
+        warnings=["spec.slo.ttftSeconds is deprecated"],
+    )
+    doc = resource()
+    doc["status"] = status
+    assert problems(doc) == []
+    for field in item["required"]:
+        half = copy.deepcopy(doc)
+        del half["status"]["conditions"][0][field]
+        assert any(field in p for p in problems(half)), field

@@ -10,6 +10,7 @@ import pytest
 from crd_validation import load_crd, schema_of
 from render_helpers import BASE, arg, config, container, env, existing_only, objects, pod
 from render_settings import (
+    DEPRECATED_SECTION_FIELDS,
     ENGINE_SETTINGS,
     ROUTER_SECTIONS,
     ROUTER_SETTINGS,
@@ -18,12 +19,14 @@ from render_settings import (
     router_section,
     router_setting,
 )
+from splitserve_operator.api.durations import format_duration
 from splitserve_operator.api.parse import parse_spec
 from splitserve_operator.api.values import Pool
 from splitserve_operator.render.commands import (
     WORKER_METRICS_PORT,
 )
 from splitserve_operator.render.replicas import plan_replicas
+from splitserve_operator.render.security import restricted_violations
 
 pytestmark = pytest.mark.unit
 
@@ -154,16 +157,239 @@ def _pool_check(pool: str, field: str) -> Callable[[], None]:
             assert pod(objs, pool)[field] == "serving.high"
             others = [p for p in ("prefill", "decode", "router") if p != pool]
             assert all(field not in pod(objs, p) for p in others)
-        elif field == "podAnnotations":
-            mine = {"sidecar.istio.io/inject": "false", "prometheus.io/port": "1"}
-            objs = objects({pool: {"podAnnotations": mine}})
-            got = objs[f"Deployment/demo-{pool}"]["spec"]["template"]["metadata"]["annotations"]
+        elif field == "acceleratorResource":
+            objs = objects({pool: {"gpus": 2, "acceleratorResource": "amd.com/gpu"}})
+            res = container(objs, pool)["resources"]
+            assert res["requests"] == res["limits"] == {"amd.com/gpu": 2}
+            assert "nvidia.com/gpu" not in json.dumps(objs[f"Deployment/demo-{pool}"])
+        elif field == "podAnnotations":  # deprecated: read as podTemplate.annotations
+            mine = {"sidecar.istio.io/inject": "false"}
+            assert objects({pool: {"podAnnotations": mine}}) == objects(
+                {pool: {"podTemplate": {"annotations": mine}}}
+            )
+        else:  # pragma: no cover
+            raise AssertionError(field)
+
+    return check
+
+
+def _template(objs: dict[str, dict[str, Any]], pool: str) -> dict[str, Any]:
+    return dict(objs[f"Deployment/demo-{pool}"]["spec"]["template"])
+
+
+def _others_unchanged(objs: dict[str, dict[str, Any]], pool: str) -> None:
+    base = objects()
+    for other in ("prefill", "decode", "router"):
+        if other != pool:
+            assert objs[f"Deployment/demo-{other}"] == base[f"Deployment/demo-{other}"], other
+
+
+def _overlay_check(pool: str, field: str) -> Callable[[], None]:
+    def check() -> None:
+        if field == "labels":
+            objs = objects({pool: {"podTemplate": {"labels": {"kueue.x-k8s.io/queue-name": "q"}}}})
+            labels = _template(objs, pool)["metadata"]["labels"]
+            assert labels["kueue.x-k8s.io/queue-name"] == "q"
+            assert labels["app.kubernetes.io/instance"] == "demo"  # ours stay
+            selector = objs[f"Deployment/demo-{pool}"]["spec"]["selector"]["matchLabels"]
+            assert "kueue.x-k8s.io/queue-name" not in selector  # the selector never changes
+        elif field == "annotations":
+            mine: dict[str, Any] = {"sidecar.istio.io/inject": "false", "prometheus.io/port": "1"}
+            objs = objects({pool: {"podTemplate": {"annotations": mine}}})
+            got = _template(objs, pool)["metadata"]["annotations"]
             assert got["sidecar.istio.io/inject"] == "false"
             assert "splitserve.io/config-hash" in got
             if pool != "router":  # the operator's scrape hints are not overridden
                 assert got["prometheus.io/port"] == str(WORKER_METRICS_PORT)
+        elif field == "serviceAccountName":
+            objs = objects({pool: {"podTemplate": {"serviceAccountName": "model-reader"}}})
+            assert pod(objs, pool)["serviceAccountName"] == "model-reader"
+            assert pod(objs, pool)["automountServiceAccountToken"] is False
+            assert "serviceAccountName" not in pod(objects(), pool)
+        elif field == "schedulerName":
+            objs = objects({pool: {"podTemplate": {"schedulerName": "volcano"}}})
+            assert pod(objs, pool)["schedulerName"] == "volcano"
+        elif field == "topologySpreadConstraints":
+            zone: dict[str, Any] = {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                    "whenUnsatisfiable": "DoNotSchedule"}  # fmt: skip
+            mine = {**zone, "topologyKey": "kubernetes.io/hostname",
+                    "labelSelector": {"matchLabels": {"app": "x"}}}  # fmt: skip
+            objs = objects({pool: {"podTemplate": {"topologySpreadConstraints": [zone, mine]}}})
+            spread = pod(objs, pool)["topologySpreadConstraints"]
+            own = {"app.kubernetes.io/instance": "demo", "app.kubernetes.io/component": pool}
+            assert spread == [{**zone, "labelSelector": {"matchLabels": own}}, mine]
+        elif field == "volumes":
+            volume = {"name": "ca", "configMap": {"name": "corp-ca"}}
+            objs = objects({pool: {"podTemplate": {"volumes": [volume]}}})
+            volumes = pod(objs, pool)["volumes"]
+            assert (
+                volumes[-1] == volume and len(volumes) == len(pod(objects(), pool)["volumes"]) + 1
+            )
+        elif field == "volumeMounts":
+            overlay: dict[str, Any] = {
+                "volumes": [{"name": "ca", "secret": {"secretName": "corp-ca"}}],
+                "volumeMounts": [{"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True}],
+            }
+            objs = objects({pool: {"podTemplate": overlay}})
+            assert container(objs, pool)["volumeMounts"][-1] == overlay["volumeMounts"][0]
+        elif field == "resourceClaims":
+            claims = [{"name": "gpu", "resourceClaimTemplateName": "one-h100"},
+                      {"name": "nic", "resourceClaimName": "shared-nic"}]  # fmt: skip
+            objs = objects({pool: {"gpus": 0, "podTemplate": {"resourceClaims": claims}}})
+            assert pod(objs, pool)["resourceClaims"] == claims
+            assert container(objs, pool)["resources"]["claims"] == [
+                {"name": "gpu"},
+                {"name": "nic"},
+            ]
         else:  # pragma: no cover
             raise AssertionError(field)
+        _others_unchanged(objs, pool)
+
+    return check
+
+
+def _router_account() -> None:
+    """Refused on the router: it runs as the account the operator binds to discovery."""
+    from splitserve_operator.api.parse import SpecError
+
+    with pytest.raises(SpecError, match="prefill and decode pools only"):
+        parse_spec({**BASE, "router": {"podTemplate": {"serviceAccountName": "x"}}})
+    assert pod(objects(), "router")["serviceAccountName"] == "demo-router"
+
+
+def _rollout_check(pool: str, field: str) -> Callable[[], None]:
+    def check() -> None:
+        deployment = f"Deployment/demo-{pool}"
+        if field == "progressDeadline":
+            objs = objects({pool: {"rollout": {"progressDeadline": "1h30m"}}})
+            assert objs[deployment]["spec"]["progressDeadlineSeconds"] == 5400
+        else:
+            value = {"maxSurge": 2, "maxUnavailable": "50%"}[field]
+            objs = objects({pool: {"rollout": {field: value}}})
+            rolling = objs[deployment]["spec"]["strategy"]["rollingUpdate"]
+            assert rolling[field] == value
+            other = "maxUnavailable" if field == "maxSurge" else "maxSurge"
+            default = objects()[deployment]["spec"]["strategy"]["rollingUpdate"]
+            assert rolling[other] == default[other]  # the other keeps the pool's default
+        _others_unchanged(objs, pool)
+
+    return check
+
+
+def _rdma_check(pool: str, field: str) -> Callable[[], None]:
+    def check() -> None:
+        rdma: dict[str, Any] = {"resource": "rdma/hca"}
+        if field == "resource":
+            objs = objects({pool: {"rdma": rdma}})
+            res = container(objs, pool)["resources"]
+            assert res["requests"]["rdma/hca"] == res["limits"]["rdma/hca"] == 1
+            assert res["limits"]["nvidia.com/gpu"] == 1  # beside the GPU
+        elif field == "count":
+            objs = objects({pool: {"rdma": {**rdma, "count": 4}}})
+            assert container(objs, pool)["resources"]["limits"]["rdma/hca"] == 4
+        else:
+            objs = objects({pool: {"rdma": rdma}})
+            caps = container(objs, pool)["securityContext"]["capabilities"]
+            assert caps == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+            # the one way the pool leaves the restricted profile, and it says so
+            assert restricted_violations(pod(objs, pool)) == [
+                f"{pool}: capabilities may only add NET_BIND_SERVICE"
+            ]
+            off = objects({pool: {"rdma": {**rdma, "ipcLock": False}}})
+            assert container(off, pool)["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        _others_unchanged(objs, pool)
+
+    return check
+
+
+def _model_cache() -> None:
+    objs = objects({"model": {"name": "org/m", "cache": {"claimName": "models"}}})
+    for pool in ("prefill", "decode", "router"):
+        volumes = {v["name"]: v for v in pod(objs, pool)["volumes"]}
+        assert volumes["cache"] == {
+            "name": "cache",
+            "persistentVolumeClaim": {"claimName": "models"},
+        }
+    for pool in ("prefill", "decode"):
+        (fetch,) = pod(objs, pool)["initContainers"]
+        worker = container(objs, pool)
+        assert fetch["args"] == ["model", "org/m"] and fetch["image"] == worker["image"]
+        assert {"name": "cache", "mountPath": "/cache"} in fetch["volumeMounts"]
+        assert fetch["env"] == worker["env"]  # HF_TOKEN and HF_HOME as the worker has them
+        assert "resources" not in fetch  # no GPU held by the download
+    assert "initContainers" not in pod(objs, "router")  # the router reads the tokenizer only
+    assert "initContainers" not in pod(objects(), "decode")
+    # the fetch runs what the worker image's own CLI takes
+    import argparse
+
+    from splitserve_worker.commands import model as model_cmd
+
+    parser = argparse.ArgumentParser()
+    model_cmd.add_arguments(parser)
+    assert parser.parse_args(pod(objs, "decode")["initContainers"][0]["args"][1:]).name == "org/m"
+
+
+def _model_download_size_limit() -> None:
+    objs = objects({"model": {"name": "m", "downloadSizeLimit": "200Gi"}})
+    for pool in ("prefill", "decode", "router"):
+        volumes = {v["name"]: v for v in pod(objs, pool)["volumes"]}
+        assert volumes["cache"]["emptyDir"] == {"sizeLimit": "200Gi"}
+        assert {v["name"]: v for v in pod(objects(), pool)["volumes"]}["cache"]["emptyDir"] == {}
+
+
+def _pod_ids(field: str) -> Callable[[], None]:
+    def check() -> None:
+        value: Any = {"fsGroupChangePolicy": "OnRootMismatch", "supplementalGroups": [5, 6]}.get(
+            field, 1000680000
+        )
+        objs = objects({"podSecurityContext": {field: value}})
+        for pool in ("prefill", "decode", "router"):
+            context = pod(objs, pool)["securityContext"]
+            assert context[field] == value and context["runAsNonRoot"] is True
+            assert field not in pod(objects(), pool)["securityContext"]
+            assert restricted_violations(pod(objs, pool)) == []
+
+    return check
+
+
+def _http_route(field: str) -> Callable[[], None]:
+    def check() -> None:
+        route: dict[str, Any] = {"parentRefs": [{"name": "public", "namespace": "gateways"}]}
+        if field == "hostnames":
+            route["hostnames"] = ["llm.example.com"]
+        if field == "requestTimeout":
+            route["requestTimeout"] = "10m"
+        objs = objects({"router": {"httpRoute": route}})
+        made = objs["HTTPRoute/demo-router"]
+        assert made["apiVersion"] == "gateway.networking.k8s.io/v1"
+        assert made["metadata"]["ownerReferences"][0]["uid"] == "0000-uid"
+        spec = made["spec"]
+        (rule,) = spec["rules"]
+        assert rule["backendRefs"] == [{"name": "demo-router", "port": 8000}]
+        assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"}}]
+        if field == "parentRefs":
+            assert spec["parentRefs"] == route["parentRefs"] and "hostnames" not in spec
+            # without one, none; one made before is detached from every Gateway
+            assert "HTTPRoute/demo-router" not in objects()
+            (detached,) = [d for n, d in existing_only().items() if n == "HTTPRoute/demo-router"]
+            assert detached["spec"]["parentRefs"] == []
+        elif field == "hostnames":
+            assert spec["hostnames"] == ["llm.example.com"]
+        else:
+            assert rule["timeouts"] == {"request": "10m"}
+        # the router itself does not change
+        assert objs["Deployment/demo-router"] == objects()["Deployment/demo-router"]
+
+    return check
+
+
+def _deprecated(old: dict[str, Any], new: dict[str, Any]) -> Callable[[], None]:
+    """A deprecated field is read as its new form: the same objects, and the spec parses
+    to the same model (the planner reads the SLO and interval from it)."""
+
+    def check() -> None:
+        assert objects(old) == objects(new)
+        assert parse_spec({**BASE, **old}) == parse_spec({**BASE, **new})
 
     return check
 
@@ -181,7 +407,7 @@ def _kv_backend() -> None:
 
 
 def _kv_lease() -> None:
-    objs = objects({"kvTransfer": {"leaseSeconds": 12}})
+    objs = objects({"kvTransfer": {"lease": "12s"}})
     assert arg(objs, "decode", "--lease-seconds") == "12"
     # the router asks that lease in its Reserve calls (a lease it names wins the worker's)
     assert router_config(objs)[1].timeouts.lease_s == 12
@@ -207,18 +433,22 @@ def _kv_streams() -> None:
 def _planner_only() -> None:
     """SLO and Prometheus settings are the planner's (it reads the spec): tuning them must
     not change (and so restart) any workload."""
-    base = objects({"slo": {"ttftSeconds": 1, "tpotSeconds": 0.1}})
+    base = objects({"slo": {"ttft": "1s", "tpot": "100ms"}})
     tuned = objects(
         {
-            "slo": {"ttftSeconds": 0.2, "tpotSeconds": 0.01, "percentile": 0.99},
+            "slo": {"ttft": "200ms", "tpot": "10ms", "percentile": 99},
             "autoscaling": {
                 "enabled": False,
                 "prometheusUrl": "http://other:9090",
-                "intervalSeconds": 300,
+                "interval": "5m",
             },
         }
     )
     assert base == tuned
+    spec = parse_spec(
+        {**BASE, "slo": {"ttft": "200ms", "percentile": 99}, "autoscaling": {"interval": "5m"}}
+    )
+    assert (spec.slo.ttft, spec.slo.quantile, spec.autoscaling.interval) == (0.2, 0.99, 300)
 
 
 def _autoscaling_enabled() -> None:
@@ -226,7 +456,7 @@ def _autoscaling_enabled() -> None:
         {
             **BASE,
             "decode": {"replicas": 3},
-            "slo": {"ttftSeconds": 1, "tpotSeconds": 0.1},
+            "slo": {"ttft": "1s", "tpot": "100ms"},
             "autoscaling": {"enabled": True, "prometheusUrl": "http://p:9090"},
         }
     )
@@ -245,7 +475,7 @@ def _bounds(pool: Pool, field: str) -> Callable[[], None]:
         spec = parse_spec(
             {
                 **BASE,
-                "slo": {"ttftSeconds": 1, "tpotSeconds": 0.1},
+                "slo": {"ttft": "1s", "tpot": "100ms"},
                 "autoscaling": {
                     "enabled": True,
                     "prometheusUrl": "http://p:9090",
@@ -266,9 +496,9 @@ def _network_policy_enabled() -> None:
     assert "NetworkPolicy/demo-workers" in objects()
     assert "NetworkPolicy/demo-workers" not in objects({"networkPolicy": {"enabled": False}})
     # turned off after it was made, the policy is opened to everyone, not left closed
-    (opened,) = existing_only({"networkPolicy": {"enabled": False}}).values()
+    opened = existing_only({"networkPolicy": {"enabled": False}})["NetworkPolicy/demo-workers"]
     assert opened["metadata"]["name"] == "demo-workers" and opened["spec"]["ingress"] == [{}]
-    assert existing_only() == {}
+    assert "NetworkPolicy/demo-workers" not in existing_only()
 
 
 def _network_policy_metrics_from() -> None:
@@ -288,6 +518,18 @@ FIELD_CHECKS: dict[str, Callable[[], None]] = {
     "model.name": _model_name,
     "model.source": _model_source,
     "model.dtype": _model_dtype,
+    "model.cache.claimName": _model_cache,
+    "model.downloadSizeLimit": _model_download_size_limit,
+    **{
+        f"podSecurityContext.{field}": _pod_ids(field)
+        for field in (
+            "runAsUser",
+            "runAsGroup",
+            "fsGroup",
+            "fsGroupChangePolicy",
+            "supplementalGroups",
+        )
+    },
     "image": _image,
     "imagePullPolicy": _image_pull_policy,
     "imagePullSecrets": _image_pull_secrets,
@@ -305,7 +547,45 @@ FIELD_CHECKS: dict[str, Callable[[], None]] = {
             "priorityClassName",
             "runtimeClassName",
             "podAnnotations",
+            "acceleratorResource",
         )
+    },
+    **{
+        f"{pool}.podTemplate.{field}": _overlay_check(pool, field)
+        for pool in ("prefill", "decode", "router")
+        for field in (
+            "labels",
+            "annotations",
+            "serviceAccountName",
+            "schedulerName",
+            "topologySpreadConstraints",
+            "volumes",
+            "volumeMounts",
+            "resourceClaims",
+        )
+        if (pool, field) != ("router", "serviceAccountName")
+    },
+    "router.podTemplate.serviceAccountName": _router_account,
+    **{
+        f"{pool}.rollout.{field}": _rollout_check(pool, field)
+        for pool in ("prefill", "decode", "router")
+        for field in ("maxSurge", "maxUnavailable", "progressDeadline")
+    },
+    **{
+        f"{pool}.rdma.{field}": _rdma_check(pool, field)
+        for pool in ("prefill", "decode")
+        for field in ("resource", "count", "ipcLock")
+    },
+    **{
+        f"{pool}.engine.gpuMemoryFraction": _deprecated(
+            {pool: {"engine": {"gpuMemoryFraction": 0.85}}},
+            {pool: {"engine": {"gpuMemoryPercent": 85}}},
+        )
+        for pool in ("prefill", "decode")
+    },
+    **{
+        f"router.httpRoute.{field}": _http_route(field)
+        for field in ("parentRefs", "hostnames", "requestTimeout")
     },
     **{
         f"{pool}.engine.{field}": engine_setting(pool, field)
@@ -319,16 +599,32 @@ FIELD_CHECKS: dict[str, Callable[[], None]] = {
         for section, fields in ROUTER_SECTIONS.items()
         for field in fields
     },
+    **{
+        f"router.settings.{section}.{field}": _deprecated(
+            {"router": {"settings": {section: {field: value}}}},
+            {"router": {"settings": {section: {new: format_duration(value)}}}},
+        )
+        for section, fields in DEPRECATED_SECTION_FIELDS.items()
+        for field, (value, new) in fields.items()
+    },
     "kvTransfer.backend": _kv_backend,
-    "kvTransfer.leaseSeconds": _kv_lease,
+    "kvTransfer.lease": _kv_lease,
+    "kvTransfer.leaseSeconds": _deprecated(
+        {"kvTransfer": {"leaseSeconds": 12}}, {"kvTransfer": {"lease": "12s"}}
+    ),
     "kvTransfer.checksums": _kv_checksums,
     "kvTransfer.streams": _kv_streams,
-    "slo.ttftSeconds": _planner_only,
-    "slo.tpotSeconds": _planner_only,
+    "slo.ttft": _planner_only,
+    "slo.tpot": _planner_only,
     "slo.percentile": _planner_only,
+    "slo.ttftSeconds": _deprecated({"slo": {"ttftSeconds": 0.2}}, {"slo": {"ttft": "200ms"}}),
+    "slo.tpotSeconds": _deprecated({"slo": {"tpotSeconds": 0.01}}, {"slo": {"tpot": "10ms"}}),
     "autoscaling.enabled": _autoscaling_enabled,
     "autoscaling.prometheusUrl": _planner_only,
-    "autoscaling.intervalSeconds": _planner_only,
+    "autoscaling.interval": _planner_only,
+    "autoscaling.intervalSeconds": _deprecated(
+        {"autoscaling": {"intervalSeconds": 300}}, {"autoscaling": {"interval": "5m"}}
+    ),
     **{
         f"autoscaling.{pool.value}.{field}": _bounds(pool, field)
         for pool in (Pool.PREFILL, Pool.DECODE)

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pytest
-from render_helpers import BASE, K8S_VERSION, REF, arg, container, env, objects, pod
+import yaml
+from manifest_validation import manifest_problems
+from render_helpers import BASE, REF, arg, container, env, objects, pod
 from splitserve_operator.api.parse import parse_spec
 from splitserve_operator.api.values import Pool
 from splitserve_operator.render.commands import (
@@ -49,18 +51,81 @@ FULL: dict[str, Any] = {
         },
         "env": [{"name": "A", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
     },
-    "decode": {"replicas": 3, "gpus": 2},
-    "router": {"replicas": 2, "serviceType": "NodePort", "resources": {"limits": {"memory": 1}}},
-    "kvTransfer": {"backend": "nixl", "leaseSeconds": 45},
+    "decode": {
+        "replicas": 3,
+        "gpus": 2,
+        "acceleratorResource": "amd.com/gpu",
+        "podTemplate": {
+            "labels": {"kueue.x-k8s.io/queue-name": "inference"},
+            "annotations": {"sidecar.istio.io/inject": "false"},
+            "serviceAccountName": "model-reader",
+            "schedulerName": "volcano",
+            "topologySpreadConstraints": [
+                {
+                    "maxSkew": 1,
+                    "topologyKey": "topology.kubernetes.io/zone",
+                    "whenUnsatisfiable": "ScheduleAnyway",
+                }
+            ],
+            "volumes": [
+                {"name": "ca", "configMap": {"name": "corp-ca"}},
+                {"name": "scratch", "ephemeral": {"volumeClaimTemplate": {"spec": {
+                    "accessModes": ["ReadWriteOnce"],
+                    "resources": {"requests": {"storage": "10Gi"}}}}}},
+            ],
+            "volumeMounts": [
+                {"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True},
+                {"name": "scratch", "mountPath": "/scratch"},
+            ],
+            "resourceClaims": [{"name": "nic", "resourceClaimTemplateName": "rdma-nic"}],
+        },
+        "rollout": {"maxUnavailable": "50%", "progressDeadline": "1h"},
+        "engine": {"gpuMemoryPercent": 80},
+    },
+    "router": {
+        "replicas": 2,
+        "serviceType": "NodePort",
+        "resources": {"limits": {"memory": 1}},
+        "httpRoute": {
+            "parentRefs": [{"name": "public", "namespace": "gateways"}],
+            "hostnames": ["llm.example.com"],
+            "requestTimeout": "10m",
+        },
+        "rollout": {"maxSurge": 1},
+    },
+    "kvTransfer": {"backend": "nixl", "lease": "45s"},
+    "podSecurityContext": {"runAsUser": 1000680000, "fsGroup": 1000680000},
     "networkPolicy": {"metricsFrom": [{"podSelector": {"matchLabels": {"app": "prometheus"}}}]},
+}  # fmt: skip
+RDMA: dict[str, Any] = {
+    **BASE,
+    "kvTransfer": {"backend": "nixl"},
+    "model": {"name": "m", "cache": {"claimName": "models"}},
+    "prefill": {"rdma": {"resource": "rdma/hca"}},
+    "decode": {"rdma": {"resource": "rdma/hca", "count": 2}},
 }
+EXAMPLES = sorted(
+    (Path(__file__).resolve().parents[2] / "charts/splitserve/examples").glob("*.yaml")
+)
 
 
-@pytest.mark.parametrize("raw", [BASE, FULL], ids=["minimal", "full"])
-def test_rendered_objects_pass_kubernetes_validate_strict(raw: dict[str, Any]) -> None:
-    spec = parse_spec(raw, name="demo")
+def _valid(raw: dict[str, Any], name: str = "demo") -> None:
+    spec = parse_spec(raw, name=name)
     for desired in render(REF, spec, RenderInputs(replicas={p: 1 for p in Pool}, token="t")):
-        kubernetes_validate.validate(desired.manifest, K8S_VERSION, strict=True)
+        assert manifest_problems(desired.manifest) == [], desired.name
+
+
+@pytest.mark.parametrize("raw", [BASE, FULL, RDMA], ids=["minimal", "full", "rdma"])
+def test_rendered_objects_pass_kubernetes_validate_strict(raw: dict[str, Any]) -> None:
+    """Built-in kinds by kubernetes-validate --strict, the HTTPRoute (made, or detached)
+    by the Gateway API's published schema."""
+    _valid(raw)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_renders_valid_objects(path: Path) -> None:
+    doc = yaml.safe_load(path.read_text())
+    _valid(doc["spec"], doc["metadata"]["name"])
 
 
 @pytest.mark.parametrize("raw", [BASE, FULL], ids=["minimal", "full"])
@@ -121,7 +186,7 @@ def test_command_lines() -> None:
     objs = objects(
         {
             "model": {"name": "served", "source": "org/weights"},
-            "kvTransfer": {"backend": "grpc", "leaseSeconds": 30},
+            "kvTransfer": {"backend": "grpc", "lease": "30s"},
         }
     )
     assert container(objs, "prefill")["command"] == ["splitserve"]
@@ -199,7 +264,7 @@ def test_the_worker_and_router_commands_accept_the_rendered_arguments() -> None:
     from splitserve.cli import build_parser
 
     parser = build_parser()
-    objs = objects({"kvTransfer": {"backend": "nixl", "leaseSeconds": 12}})
+    objs = objects({"kvTransfer": {"backend": "nixl", "lease": "12s"}})
     for pool in ("prefill", "decode", "router"):
         args = container(objs, pool)["args"]
         parsed = parser.parse_args(args)
@@ -231,8 +296,12 @@ def test_the_token_is_a_mounted_file_and_created_once() -> None:
         assert mounts["token"]["readOnly"] is True
         volume = next(v for v in pod(objs, pool)["volumes"] if v["name"] == "token")
         assert volume["secret"]["secretName"] == "demo-worker-token"
-        assert volume["secret"]["defaultMode"] == 0o440
+        # no fsGroup: the file belongs to root, the pod's user reads it as "other"
+        assert volume["secret"]["defaultMode"] == 0o444
         assert "secret-token" not in json.dumps(objs[f"Deployment/demo-{pool}"])
+    grouped = objects({"podSecurityContext": {"fsGroup": 2000}})
+    volume = next(v for v in pod(grouped, "decode")["volumes"] if v["name"] == "token")
+    assert volume["secret"]["defaultMode"] == 0o440  # owner and fsGroup only
 
 
 def test_only_the_router_talks_to_the_api() -> None:
@@ -318,3 +387,41 @@ def test_no_pod_is_killed_for_being_slow_to_start() -> None:
         startup = c["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] == budget
         assert startup["tcpSocket"] == c["livenessProbe"]["tcpSocket"]
+        # nor is its rollout read as stalled while it may still be starting
+        deadline = objs[f"Deployment/demo-{pool}"]["spec"]["progressDeadlineSeconds"]
+        assert deadline >= budget + 600
+
+
+def test_gpu_pools_roll_without_a_surge_pod() -> None:
+    """A surge pod would wait for a spare GPU of the right kind: a GPU pool replaces one
+    pod at a time; a CPU pool surges as Kubernetes does by default."""
+    objs = objects({"prefill": {"gpus": 0}})
+    rolling = {p: objs[f"Deployment/demo-{p}"]["spec"]["strategy"] for p in Pool}
+    assert rolling[Pool.DECODE] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+    }
+    for cpu in (Pool.PREFILL, Pool.ROUTER):
+        assert rolling[cpu]["rollingUpdate"] == {"maxSurge": "25%", "maxUnavailable": "25%"}
+
+
+def test_the_operators_own_names_are_the_ones_the_spec_refuses() -> None:
+    """The overlay refuses these names and keys; they must be exactly what render uses."""
+    from splitserve_operator.api.values import (
+        GROUP,
+        RESERVED_LABELS,
+        RESERVED_MOUNT_PATHS,
+        RESERVED_VOLUMES,
+    )
+
+    volumes: set[str] = set()
+    mounts: set[str] = set()
+    for raw in (BASE, {**BASE, "model": {"name": "m", "source": "pvc://w/m"}}, RDMA):
+        objs = objects(raw)
+        for p in ("prefill", "decode", "router"):
+            volumes |= {v["name"] for v in pod(objs, p)["volumes"]}
+            mounts |= {m["mountPath"] for m in container(objs, p)["volumeMounts"]}
+            labels = objs[f"Deployment/demo-{p}"]["spec"]["template"]["metadata"]["labels"]
+            assert all(k in RESERVED_LABELS or k.startswith(GROUP + "/") for k in labels)
+    assert volumes == RESERVED_VOLUMES
+    assert mounts == RESERVED_MOUNT_PATHS - {"/"}

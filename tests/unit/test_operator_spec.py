@@ -26,9 +26,12 @@ def test_defaults_match_the_crd() -> None:
     assert (spec.decode.replicas, spec.decode.gpus) == (1, 1)
     assert (spec.router.replicas, spec.router.gpus) == (1, 0)
     assert spec.router.service_type == ServiceType.CLUSTER_IP
-    assert spec.kv_transfer.backend == KvBackend.TCP and spec.kv_transfer.lease_seconds == 30
-    assert spec.slo.percentile == 0.9 and spec.slo.ttft_seconds is None
-    assert not spec.autoscaling.enabled and spec.autoscaling.interval_seconds == 30
+    assert spec.kv_transfer.backend == KvBackend.TCP and spec.kv_transfer.lease == 30
+    assert spec.slo.percentile == 90 and spec.slo.quantile == 0.9 and spec.slo.ttft is None
+    assert not spec.autoscaling.enabled and spec.autoscaling.interval == 30
+    assert spec.prefill.accelerator_resource == "nvidia.com/gpu" and spec.prefill.rollout is None
+    assert spec.model.cache is None and spec.pod_security_context is None
+    assert spec.router.http_route is None
     assert (spec.autoscaling.prefill.min_replicas, spec.autoscaling.prefill.max_replicas) == (1, 8)
     assert spec.network_policy.enabled and spec.network_policy.metrics_from is None
 
@@ -49,12 +52,12 @@ def test_every_field_parses_from_camel_case() -> None:
             "env": [{"name": "A", "value": "1"}],
         },
         "router": {"serviceType": "LoadBalancer"},
-        "kvTransfer": {"backend": "nixl", "leaseSeconds": 10},
-        "slo": {"ttftSeconds": 0.5, "tpotSeconds": 0.05, "percentile": 0.99},
+        "kvTransfer": {"backend": "nixl", "lease": "10s"},
+        "slo": {"ttft": "500ms", "tpot": "50ms", "percentile": 99},
         "autoscaling": {
             "enabled": True,
             "prometheusUrl": "http://p:9090",
-            "intervalSeconds": 15,
+            "interval": "15s",
             "prefill": {"minReplicas": 0, "maxReplicas": 4},
         },
         "networkPolicy": {"enabled": False, "metricsFrom": []},
@@ -66,7 +69,8 @@ def test_every_field_parses_from_camel_case() -> None:
     assert spec.prefill.affinity is not None and spec.prefill.affinity.node_affinity == {"x": 1}
     assert spec.router.service_type == ServiceType.LOAD_BALANCER
     assert spec.kv_transfer.backend == KvBackend.NIXL
-    assert spec.slo.tpot_seconds == 0.05
+    assert spec.slo.tpot == 0.05 and spec.slo.quantile == 0.99
+    assert spec.kv_transfer.lease == 10 and spec.autoscaling.interval == 15
     assert spec.autoscaling.bounds(Pool.PREFILL).clamp(9) == 4
     assert spec.network_policy.metrics_from == []
     assert spec.pool(Pool.ROUTER) is spec.router
@@ -81,7 +85,12 @@ def test_numbers_and_booleans_are_strict_as_in_the_schema() -> None:
     )
     assert any(p.startswith("spec.prefill.gpus") for p in found)
     assert any(p.startswith("spec.autoscaling.enabled") for p in found)
-    assert parse_spec({**MINIMAL, "slo": {"ttftSeconds": 1}}).slo.ttft_seconds == 1.0
+    assert parse_spec({**MINIMAL, "slo": {"ttftSeconds": 1}}).slo.ttft == 1.0
+    # a duration is a string with its unit; a bare number's unit would be a guess
+    assert any(
+        p.startswith("spec.slo.ttft: must be a duration string")
+        for p in problems({**MINIMAL, "slo": {"ttft": 1}})
+    )
 
 
 def test_every_problem_is_listed_with_its_path_and_value() -> None:
@@ -107,6 +116,16 @@ def test_every_problem_is_listed_with_its_path_and_value() -> None:
         ({"image": "x"}, "spec.model: Field required"),
         ({**MINIMAL, "image": "two words"}, "spec.image"),
         ({**MINIMAL, "decode": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}, "gpus field"),
+        (
+            {
+                **MINIMAL,
+                "decode": {
+                    "acceleratorResource": "amd.com/gpu",
+                    "resources": {"requests": {"amd.com/gpu": 2}},
+                },
+            },
+            "resources.requests['amd.com/gpu']",
+        ),
         ({**MINIMAL, "decode": {"resources": {"limits": {"memory": "4 GB"}}}}, "not a quantity"),
         ({**MINIMAL, "decode": {"resources": {"limits": {"cpu": -1}}}}, "must not be negative"),
         ({**MINIMAL, "decode": {"env": [{"name": "1A"}]}}, "not a valid environment variable"),
@@ -127,11 +146,22 @@ def test_every_problem_is_listed_with_its_path_and_value() -> None:
                     "prometheusUrl": "http://p",
                     "decode": {"minReplicas": 0},
                 },
-                "slo": {"ttftSeconds": 1, "tpotSeconds": 1},
+                "slo": {"ttft": "1s", "tpot": "1s"},
             },
             "decode.minReplicas must be at least 1",
         ),
-        ({**MINIMAL, "slo": {"percentile": 90}}, "spec.slo.percentile"),
+        ({**MINIMAL, "slo": {"percentile": 100}}, "spec.slo.percentile"),
+        ({**MINIMAL, "slo": {"percentile": 1.5}}, "spec.slo.percentile"),
+        (
+            {**MINIMAL, "slo": {"ttftSeconds": -1}},
+            "spec.slo.ttftSeconds: Input should be greater than 0",
+        ),
+        (
+            {**MINIMAL, "slo": {"ttft": "1s", "ttftSeconds": 1}},
+            "spec.slo: set ttft or the deprecated",
+        ),
+        ({**MINIMAL, "slo": {"ttft": "1 s"}}, "is not a duration such as 500ms"),
+        ({**MINIMAL, "kvTransfer": {"lease": "2h"}}, "at least 1s and at most 3600s"),
         ({**MINIMAL, "model": {"name": "m", "source": "pvc://w/../etc"}}, "(no '..')"),
         ({**MINIMAL, "model": {"name": "m", "source": "pvc://"}}, "pvc://CLAIM/PATH"),
         (
@@ -171,7 +201,7 @@ def test_engine_settings_defaults_and_sizes() -> None:
             ENGINE_MAX_BATCH_TOKENS,
         )
     pools = schema_of(load_crd())["properties"]["spec"]["properties"]
-    (rule,) = pools["decode"]["properties"]["engine"]["x-kubernetes-validations"]
+    rule, *_ = pools["decode"]["properties"]["engine"]["x-kubernetes-validations"]
     assert f": {ENGINE_MAX_BATCH_TOKENS})" in rule["rule"]
     assert f": {ENGINE_MAX_NUM_SEQS})" in rule["rule"]
 
@@ -192,3 +222,34 @@ def test_engine_settings_defaults_and_sizes() -> None:
     for bad in ("lots", "1.5.2Gi", True):
         with pytest.raises(ValueError, match="not a quantity"):
             quantity_bytes(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("500ms", 0.5), ("30s", 30), ("2m", 120), ("1m30s", 90), ("1.5h", 5400), ("250us", 0.00025),
+     ("250\u00b5s", 0.00025), ("100ns", 1e-7), (".5s", 0.5), ("1h2m3s4ms", 3723.004)],
+)  # fmt: skip
+def test_durations_read_as_go_writes_them(text: str, seconds: float) -> None:
+    from splitserve_operator.api.durations import format_duration, parse_duration
+
+    assert parse_duration(text) == pytest.approx(seconds)
+    assert parse_duration(format_duration(parse_duration(text))) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "5", "s", "-1s", "1 s", "1d", "1.2.3s", "5S", "1e3s"])
+def test_what_is_not_a_duration(text: str) -> None:
+    from splitserve_operator.api.durations import DURATION_PATTERN, parse_duration
+
+    with pytest.raises(ValueError, match="is not a duration such as 500ms"):
+        parse_duration(text)
+    assert not DURATION_PATTERN.match(text)
+
+
+def test_durations_are_written_back_in_their_shortest_plain_form() -> None:
+    from splitserve_operator.api.durations import format_duration
+
+    assert [format_duration(s) for s in (30, 0.5, 1.5, 0.00025, 3600)] == [
+        "30s", "500ms", "1500ms", "0.00025s", "3600s"
+    ]  # fmt: skip
+    spec = parse_spec({**MINIMAL, "slo": {"ttft": "1m30s"}})
+    assert spec.model_dump(by_alias=True, mode="json")["slo"]["ttft"] == "90s"

@@ -192,3 +192,52 @@ def test_conditions_of_other_writers_are_kept_once() -> None:
     )
     types = [c["type"] for c in status["conditions"]]
     assert sorted(types) == ["Degraded", "Progressing", "Ready", "ScalingActive"]
+
+
+def test_url_and_warnings_are_reported_and_warnings_go_when_fixed() -> None:
+    warned = compute_status(
+        generation=1,
+        pools=pools(),
+        desired={},
+        problems=[],
+        previous=None,
+        now=T0,
+        url="http://demo-router.ns.svc:8000",
+        warnings=["spec.slo.ttftSeconds is deprecated"],
+    )
+    assert warned["url"] == "http://demo-router.ns.svc:8000"
+    assert warned["warnings"] == ["spec.slo.ttftSeconds is deprecated"]
+    fixed = compute_status(
+        generation=2,
+        pools=pools(),
+        desired={},
+        problems=[],
+        previous=warned,
+        now=T1,
+        url=warned["url"],
+    )
+    patch = status_patch(fixed, warned)
+    assert patch is not None and patch["warnings"] is None  # a merge patch's null removes it
+    assert "url" not in patch
+    # nothing to warn of and nothing warned before: no field, no write
+    again = compute_status(
+        generation=2, pools=pools(), desired={}, problems=[], previous=None, now=T1
+    )
+    old = {k: v for k, v in again.items() if k != "warnings"}  # as stored: no key at all
+    assert again["warnings"] is None and status_patch(again, old) is None
+    invalid = invalid_status(
+        generation=3, problems=["spec.x: bad"], previous=warned, now=T1, warnings=["w"]
+    )
+    assert invalid["warnings"] == ["w"]
+
+
+def test_every_condition_carries_every_field() -> None:
+    for status in (
+        compute_status(generation=4, pools=pools(), desired={}, problems=[], previous=None, now=T0),
+        invalid_status(generation=4, problems=["spec.x: bad"], previous=None, now=T0),
+    ):
+        for cond in status["conditions"]:
+            assert set(cond) == {
+                "type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"
+            }  # fmt: skip
+            assert cond["reason"] and cond["message"] and cond["observedGeneration"] == 4

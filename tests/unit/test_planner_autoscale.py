@@ -89,11 +89,11 @@ def service(**autoscaling: Any) -> dict[str, Any]:
         "spec": {
             "model": {"name": "m"},
             "image": "img",
-            "slo": {"ttftSeconds": 1.0, "tpotSeconds": 0.05, "percentile": 0.9},
+            "slo": {"ttft": "1s", "tpot": "50ms", "percentile": 90},
             "autoscaling": {
                 "enabled": True,
                 "prometheusUrl": "http://prom:9090",
-                "intervalSeconds": 30,
+                "interval": "30s",
                 "decode": {"minReplicas": 1, "maxReplicas": 6},
                 **autoscaling,
             },
@@ -168,7 +168,7 @@ def test_ticks_follow_the_interval(rig: Any) -> None:
     scaler, _, source, clock = rig
     assert scaler.tick(service()) is not None
     clock.t += 10
-    assert scaler.tick(service()) is None  # 10 s < intervalSeconds 30
+    assert scaler.tick(service()) is None  # 10 s < interval 30s
     assert scaler.tick(service(), force=True) is not None
     clock.t += 30
     assert scaler.tick(service()) is not None

@@ -17,11 +17,20 @@ from pydantic import (
 )
 
 from splitserve_operator.api.base import NonEmpty, Quantity, SpecModel
+from splitserve_operator.api.durations import Duration
+from splitserve_operator.api.pods import (
+    DnsLabel,
+    PodSecurity,
+    PodTemplateOverlay,
+    Rdma,
+    Rollout,
+)
+from splitserve_operator.api.routes import HttpRouteSpec
 from splitserve_operator.api.settings import EngineSettings, RouterSettings
 from splitserve_operator.api.values import (
     ENV_NAME_PATTERN,
+    EXTENDED_RESOURCE_PATTERN,
     GPU_RESOURCE,
-    GROUP,
     LABEL_KEY_PATTERN,
     LABEL_VALUE_PATTERN,
     MAX_GPUS_PER_POD,
@@ -39,7 +48,16 @@ from splitserve_operator.api.values import (
     ServiceType,
     TaintEffect,
     TolerationOperator,
+    quantity_bytes,
 )
+
+
+class ModelCache(SpecModel):
+    """A PersistentVolumeClaim the pods share as their download folder."""
+
+    claim_name: DnsLabel
+    """The claim, in the InferenceService's namespace: ReadWriteMany where pods of a pool
+    run on several nodes (ReadWriteOnce serves only pods on one node)."""
 
 
 class ModelSpec(SpecModel):
@@ -50,6 +68,33 @@ class ModelSpec(SpecModel):
     ``pvc://CLAIM/PATH`` (a folder on a PersistentVolumeClaim of the namespace, mounted
     read-only), or a built-in name. ``None``: the same as ``name``."""
     dtype: Dtype = Dtype.AUTO
+    cache: ModelCache | None = None
+    """A shared download folder: the first worker pod fetches the model into it (an init
+    container), later pods find it there. ``None``: each pod downloads into its own
+    ``emptyDir``."""
+    download_size_limit: Quantity | None = None
+    """The ``sizeLimit`` of each pod's own download folder (an ``emptyDir``); the kubelet
+    evicts a pod that writes more. ``None``: as much as the node's disk allows."""
+
+    @field_validator("download_size_limit")
+    @classmethod
+    def _size(cls, value: Quantity | None) -> Quantity | None:
+        if value is not None and quantity_bytes(value) < 1 << 20:
+            raise ValueError(f"must be at least 1Mi (got {value!r})")
+        return value
+
+    @model_validator(mode="after")
+    def _one_download_folder(self) -> ModelSpec:
+        if self.cache is not None and self.download_size_limit is not None:
+            raise ValueError(
+                "downloadSizeLimit bounds each pod's own download folder; with cache the "
+                "claim's size bounds it: set one of them"
+            )
+        if self.cache is not None and self.claim is not None:
+            raise ValueError(
+                "a pvc:// source is read where it is, nothing is downloaded: drop cache"
+            )
+        return self
 
     @field_validator("source")
     @classmethod
@@ -89,8 +134,6 @@ class ResourceRequirements(SpecModel):
     @classmethod
     def _quantities(cls, value: dict[str, Quantity] | None) -> dict[str, Quantity] | None:
         for key, quantity in (value or {}).items():
-            if key == GPU_RESOURCE:
-                raise ValueError(f"set GPUs with the pool's gpus field, not as {key!r}")
             if isinstance(quantity, bool) or (
                 isinstance(quantity, str) and not QUANTITY_PATTERN.match(quantity)
             ):
@@ -166,7 +209,12 @@ ClassName = Annotated[str, StringConstraints(max_length=253, pattern=SUBDOMAIN_P
 class PoolSpec(SpecModel):
     replicas: Annotated[int, Field(ge=0, le=MAX_REPLICAS)] = 1
     gpus: Annotated[int, Field(ge=0, le=MAX_GPUS_PER_POD)] = 1
-    """GPUs per pod: becomes ``nvidia.com/gpu`` requests and limits; 0 runs on the CPU."""
+    """Accelerators per pod: requests and limits of ``accelerator_resource``; 0 runs on the
+    CPU."""
+    accelerator_resource: Annotated[
+        str, StringConstraints(max_length=253, pattern=EXTENDED_RESOURCE_PATTERN.pattern)
+    ] = GPU_RESOURCE
+    """The extended resource ``gpus`` counts (``amd.com/gpu`` on AMD nodes)."""
     resources: ResourceRequirements | None = None
     node_selector: dict[str, str] | None = None
     tolerations: list[Toleration] | None = None
@@ -176,23 +224,13 @@ class PoolSpec(SpecModel):
     """The pods' PriorityClass (serving usually outranks batch work)."""
     runtime_class_name: ClassName | None = None
     """The pods' RuntimeClass (``nvidia`` where GPUs need that container runtime)."""
-    pod_annotations: dict[str, Annotated[str, StringConstraints(max_length=4096)]] | None = Field(
-        default=None, max_length=64
-    )
-    """Added to the pods' annotations (a service mesh's, a cost tool's); the operator's
-    own keys are not overridden."""
+    pod_template: PodTemplateOverlay | None = None
+    """Labels, annotations, topology spread, volumes, service account, scheduler and DRA
+    claims added to the pods (the deprecated ``podAnnotations`` lands here)."""
+    rollout: Rollout | None = None
+    """How the Deployment replaces pods; defaults depend on whether the pool has GPUs."""
 
     _check_node_selector = field_validator("node_selector")(_check_selector)
-
-    @field_validator("pod_annotations")
-    @classmethod
-    def _annotation_keys(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        for key in value or {}:
-            if not LABEL_KEY_PATTERN.match(key) or len(key.split("/")[-1]) > 63:
-                raise ValueError(f"{key!r} is not a valid annotation key")
-            if key.split("/")[0] == GROUP:
-                raise ValueError(f"{key!r}: keys under {GROUP}/ are the operator's")
-        return value
 
     @field_validator("env")
     @classmethod
@@ -204,20 +242,51 @@ class PoolSpec(SpecModel):
             seen.add(var.name)
         return value
 
+    @model_validator(mode="after")
+    def _rollout_progresses(self) -> PoolSpec:
+        if self.rollout is not None:
+            self.rollout.check(self.gpus)
+        return self
+
+    @model_validator(mode="after")
+    def _accelerators_by_gpus(self) -> PoolSpec:
+        for kind in ("requests", "limits"):
+            held = getattr(self.resources, kind, None) or {}
+            if self.accelerator_resource in held:
+                raise ValueError(
+                    f"set accelerators with the pool's gpus field, not as "
+                    f"resources.{kind}[{self.accelerator_resource!r}]"
+                )
+        return self
+
 
 class WorkerPoolSpec(PoolSpec):
     engine: EngineSettings | None = None
+    rdma: Rdma | None = None
+    """An RDMA device per pod (and ``IPC_LOCK``), for NIXL over InfiniBand or RoCE."""
 
 
 class RouterSpec(PoolSpec):
     gpus: Annotated[int, Field(ge=0, le=MAX_GPUS_PER_POD)] = 0
     service_type: ServiceType = ServiceType.CLUSTER_IP
     settings: RouterSettings | None = None
+    http_route: HttpRouteSpec | None = None
+    """A Gateway API HTTPRoute to the router Service; ``None``: none."""
+
+    @model_validator(mode="after")
+    def _own_account(self) -> RouterSpec:
+        if self.pod_template is not None and self.pod_template.service_account_name:
+            raise ValueError(
+                "podTemplate.serviceAccountName: the router runs as the operator's "
+                "<name>-router account, which may read its workers' pods; set a service "
+                "account on the prefill and decode pools only"
+            )
+        return self
 
 
 class KvTransferSpec(SpecModel):
     backend: KvBackend = KvBackend.TCP
-    lease_seconds: Annotated[int, Field(ge=1, le=3600)] = 30
+    lease: Annotated[float, Duration(at_least=1, at_most=3600)] = 30.0
     """How long a decode worker holds blocks reserved for a transfer that has not
     finished; an expired lease frees them."""
     checksums: bool = False
@@ -227,10 +296,17 @@ class KvTransferSpec(SpecModel):
 
 
 class SloSpec(SpecModel):
-    ttft_seconds: Annotated[float, Field(gt=0, le=600)] | None = None
-    tpot_seconds: Annotated[float, Field(gt=0, le=60)] | None = None
-    percentile: Annotated[float, Field(gt=0, lt=1)] = 0.9
-    """Quantile the objectives apply to, as a fraction: 0.9 is p90."""
+    ttft: Annotated[float, Duration(at_most=600)] | None = None
+    """Time to first token objective, seconds, at ``percentile``."""
+    tpot: Annotated[float, Duration(at_most=60)] | None = None
+    """Time per output token objective, seconds, at ``percentile``."""
+    percentile: Annotated[int, Field(ge=1, le=99)] = 90
+    """The percentile the objectives apply to: 90 is p90."""
+
+    @property
+    def quantile(self) -> float:
+        """``percentile`` as a fraction (0.9 for p90), as PromQL takes it."""
+        return self.percentile / 100
 
 
 class ReplicaBounds(SpecModel):
@@ -253,7 +329,8 @@ class ReplicaBounds(SpecModel):
 class AutoscalingSpec(SpecModel):
     enabled: bool = False
     prometheus_url: str | None = None
-    interval_seconds: Annotated[int, Field(ge=5, le=3600)] = 30
+    interval: Annotated[float, Duration(at_least=5, at_most=3600)] = 30.0
+    """Seconds between two planner ticks of this service."""
     prefill: ReplicaBounds = ReplicaBounds()
     decode: ReplicaBounds = ReplicaBounds()
 
@@ -297,6 +374,9 @@ class InferenceServiceSpec(SpecModel):
     slo: SloSpec = SloSpec()
     autoscaling: AutoscalingSpec = AutoscalingSpec()
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
+    pod_security_context: PodSecurity | None = None
+    """User and group IDs of every pod; ``None``: the image's user, IDs left to the
+    platform (``runAsNonRoot`` is always set)."""
 
     @field_validator("image_pull_secrets")
     @classmethod
@@ -308,12 +388,8 @@ class InferenceServiceSpec(SpecModel):
 
     @model_validator(mode="after")
     def _cross_field(self) -> InferenceServiceSpec:
-        if self.autoscaling.enabled and (
-            self.slo.ttft_seconds is None or self.slo.tpot_seconds is None
-        ):
-            raise ValueError(
-                "autoscaling needs its targets: set slo.ttftSeconds and slo.tpotSeconds"
-            )
+        if self.autoscaling.enabled and (self.slo.ttft is None or self.slo.tpot is None):
+            raise ValueError("autoscaling needs its targets: set slo.ttft and slo.tpot")
         if self.autoscaling.decode.min_replicas < 1 and self.autoscaling.enabled:
             raise ValueError("autoscaling.decode.minReplicas must be at least 1")
         return self

@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from splitserve_operator.api.deprecations import upgrade
 from splitserve_operator.api.models import InferenceServiceSpec
 from splitserve_operator.api.values import MAX_NAME_LENGTH, NAME_PATTERN
 
@@ -78,16 +79,23 @@ def _describe(error: Mapping[str, Any]) -> str:
 
 
 def parse_spec(raw: object, *, name: object = None) -> InferenceServiceSpec:
-    """Parse ``.spec`` (and check ``metadata.name`` when given); raise SpecError."""
+    """Parse ``.spec`` (and check ``metadata.name`` when given); raise SpecError.
+
+    Deprecated forms are read into the current ones first (:mod:`.deprecations`; their
+    warnings come from :func:`~.deprecations.deprecations`)."""
     problems = check_name(name) if name is not None else []
     spec: InferenceServiceSpec | None = None
     if not isinstance(raw, Mapping):
         problems.append(f"spec: must be an object (got {type(raw).__name__})")
     else:
+        upgraded = upgrade(raw)
+        problems.extend(upgraded.problems)
         try:
             # JSON mode: the input is what came over the wire (enums as strings, strict
             # numbers and booleans).
-            spec = InferenceServiceSpec.model_validate_json(json.dumps(raw), by_alias=True)
+            spec = InferenceServiceSpec.model_validate_json(
+                json.dumps(upgraded.spec), by_alias=True
+            )
         except ValidationError as exc:
             problems.extend(_describe(err) for err in exc.errors())
     if problems or spec is None:

@@ -9,6 +9,7 @@ from typing import Annotated
 from pydantic import Field, field_validator, model_validator
 
 from splitserve_operator.api.base import Quantity, SpecModel
+from splitserve_operator.api.durations import Duration
 from splitserve_operator.api.values import (
     ENGINE_MAX_BATCH_TOKENS,
     ENGINE_MAX_NUM_SEQS,
@@ -29,10 +30,10 @@ class EngineSettings(SpecModel):
     """Most tokens (prefill and decode together) computed in one step."""
     prefill_chunk_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
     """Prompt tokens per step while other sequences decode."""
-    gpu_memory_fraction: Annotated[float, Field(gt=0, le=1)] | None = None
-    """Share of the GPU memory left after the weights that the KV pool takes."""
+    gpu_memory_percent: Annotated[int, Field(ge=1, le=100)] | None = None
+    """Percent of the GPU memory left after the weights that the KV pool takes."""
     kv_cache_memory: Quantity | None = None
-    """The KV pool's size as a quantity (``8Gi``); overrides ``gpuMemoryFraction``."""
+    """The KV pool's size as a quantity (``8Gi``); overrides ``gpuMemoryPercent``."""
     threads: Annotated[int, Field(ge=1, le=512)] | None = None
     """torch CPU threads per worker."""
 
@@ -55,7 +56,7 @@ class EngineSettings(SpecModel):
         return self
 
 
-Seconds = Annotated[float, Field(gt=0, le=86_400)]
+Timeout = Annotated[float, Duration(at_most=86_400)]
 
 
 class RouterQueues(SpecModel):
@@ -67,25 +68,37 @@ class RouterQueues(SpecModel):
     """Requests waiting for a decode slot; more get 429."""
     prefill_slots_per_worker: Annotated[int, Field(ge=1, le=1024)] | None = None
     decode_slots_per_worker: Annotated[int, Field(ge=1, le=4096)] | None = None
-    max_wait_seconds: Annotated[float, Field(gt=0, le=3600)] | None = None
+    max_wait: Annotated[float, Duration(at_most=3600)] | None = None
     """Longest wait in one queue before a 503."""
-    retry_after_seconds: Annotated[int, Field(ge=1, le=3600)] | None = None
-    """Retry-After of the 429 and 503 answers."""
+    retry_after: Annotated[float, Duration(at_least=1, at_most=3600)] | None = None
+    """Retry-After of the 429 and 503 answers, whole seconds (the header's unit)."""
+
+    @field_validator("retry_after")
+    @classmethod
+    def _whole_seconds(cls, value: float | None) -> float | None:
+        if value is not None and not value.is_integer():
+            raise ValueError(
+                f"must be whole seconds such as 5s or 1m, the Retry-After header's unit "
+                f"(got {value:g}s)"
+            )
+        return value
 
 
 class RouterTimeouts(SpecModel):
     """The router's bounds on each wait (its ``timeouts`` config section)."""
 
-    connect_seconds: Seconds | None = None
+    connect: Timeout | None = None
     """Control calls to workers: Health, Reserve, Release, Cancel."""
-    prefill_seconds: Seconds | None = None
+    prefill: Timeout | None = None
     """One remote prefill, its KV push included."""
-    first_token_seconds: Seconds | None = None
-    inter_token_seconds: Seconds | None = None
+    first_token: Timeout | None = None
+    """From dispatch to a request's first token."""
+    inter_token: Timeout | None = None
     """Longest gap between two tokens before the worker counts as lost."""
-    request_seconds: Seconds | None = None
+    request: Timeout | None = None
     """A whole request, end to end."""
-    health_interval_seconds: Annotated[float, Field(gt=0, le=600)] | None = None
+    health_interval: Annotated[float, Duration(at_most=600)] | None = None
+    """Between two health checks of each worker."""
 
 
 class RouterSettings(SpecModel):

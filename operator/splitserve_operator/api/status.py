@@ -6,6 +6,12 @@
 - ``pools.<pool>``: ``replicas`` (the Deployment's ``spec.replicas``),
   ``readyReplicas``, ``updatedReplicas`` and ``desiredReplicas`` (the target;
   the planner's field while autoscaling is on, see ``render/replicas.py``).
+- ``url``: the router Service's address inside the cluster.
+- ``warnings``: deprecated spec fields in use, each with what to write instead;
+  absent when there are none.
+
+Every condition carries ``type``, ``status``, ``reason``, ``message``,
+``lastTransitionTime`` and ``observedGeneration`` (the CRD requires them all).
 """
 
 from __future__ import annotations
@@ -147,11 +153,14 @@ def compute_status(
     problems: Sequence[Problem],
     previous: Mapping[str, Any] | None,
     now: datetime,
+    url: str | None = None,
+    warnings: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The full status for a reconcile that got as far as observing the pools.
 
     ``desired``: the ``desiredReplicas`` to write per pool; pools missing from it
-    keep the value they have (the planner's, while autoscaling is on).
+    keep the value they have (the planner's, while autoscaling is on). ``url``: the
+    router's in-cluster URL; ``warnings``: the deprecations in the spec.
     """
     previous = as_map(previous)
     old_conditions = previous.get("conditions")
@@ -204,7 +213,11 @@ def compute_status(
         if pool in desired:
             entry["desiredReplicas"] = desired[pool]
         pool_status[pool.value] = entry
-    return {"observedGeneration": generation, "conditions": conditions, "pools": pool_status}
+    out = {"observedGeneration": generation, "conditions": conditions, "pools": pool_status}
+    if url is not None:
+        out["url"] = url
+    out["warnings"] = list(warnings) or None  # None: a patch removes old warnings
+    return out
 
 
 def invalid_status(
@@ -213,8 +226,10 @@ def invalid_status(
     problems: Sequence[str],
     previous: Mapping[str, Any] | None,
     now: datetime,
+    warnings: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Status for a spec that cannot be served: what to fix, nothing else touched."""
+    """Status for a spec that cannot be served: what to fix, nothing else touched (but
+    the deprecation ``warnings``, which may explain it)."""
     previous = as_map(previous)
     old_conditions = previous.get("conditions")
     old_conditions = old_conditions if isinstance(old_conditions, list) else []
@@ -250,7 +265,11 @@ def invalid_status(
         ),
         *_others(old_conditions),
     ]
-    return {"observedGeneration": generation, "conditions": conditions}
+    return {
+        "observedGeneration": generation,
+        "conditions": conditions,
+        "warnings": list(warnings) or None,
+    }
 
 
 def status_patch(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> dict[str, Any] | None:

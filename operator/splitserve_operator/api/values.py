@@ -16,7 +16,31 @@ GROUP = "splitserve.io"
 """The API group of the InferenceService, and the prefix of the operator's own labels
 and annotations."""
 GPU_RESOURCE = "nvidia.com/gpu"
-"""The extended resource a pool's ``gpus`` becomes (requests and limits)."""
+"""The extended resource a pool's ``gpus`` becomes (requests and limits) unless the pool
+names another (``acceleratorResource``: ``amd.com/gpu``, ``gpu.intel.com/i915``)."""
+EXTENDED_RESOURCE_PATTERN = re.compile(
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+"""An extended resource name: a domain, ``/``, a name (``nvidia.com/gpu``, ``rdma/hca``)."""
+
+RESERVED_LABELS = frozenset(
+    {
+        "app.kubernetes.io/name",
+        "app.kubernetes.io/instance",
+        "app.kubernetes.io/component",
+        "app.kubernetes.io/managed-by",
+        "app.kubernetes.io/part-of",
+    }
+)
+"""Pod labels the operator sets itself (its Deployments select pods by some of them);
+keys under ``splitserve.io/`` are its own as well (the router finds workers by one)."""
+RESERVED_VOLUMES = frozenset({"config", "token", "tmp", "cache", "model", "dshm"})
+"""Names of the volumes the operator puts in every pod (a test keeps them equal)."""
+RESERVED_MOUNT_PATHS = frozenset(
+    {"/", "/etc/splitserve", "/var/run/secrets/splitserve", "/tmp", "/cache", "/models", "/dev/shm"}
+)
+"""Where the operator mounts its volumes (a test keeps them equal)."""
 
 MAX_NAME_LENGTH = 48
 """Longest InferenceService name: the operator appends suffixes such as
@@ -46,6 +70,11 @@ PVC_SOURCE = re.compile(r"^pvc://([a-z0-9]([-a-z0-9]*[a-z0-9])?)(/(.*))?$")
 """``pvc://CLAIM/PATH``: a checkpoint folder on a PersistentVolumeClaim of the namespace."""
 MODEL_MOUNT = "/models"
 """Where a ``pvc://`` source's claim is mounted (read-only) in every pod."""
+
+DNS_LABEL_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+"""DNS-1123 label: what a PersistentVolumeClaim or volume name must be."""
+PERCENT_PATTERN = re.compile(r"^(100|[1-9]?[0-9])%$")
+"""A share of a Deployment's replicas, ``0%`` to ``100%`` (``maxSurge: 25%``)."""
 
 MAX_REPLICAS = 1000
 MAX_KV_STREAMS = 8
@@ -128,6 +157,21 @@ class PullPolicy(StrEnum):
 class TolerationOperator(StrEnum):
     EXISTS = "Exists"
     EQUAL = "Equal"
+
+
+class WhenUnsatisfiable(StrEnum):
+    DO_NOT_SCHEDULE = "DoNotSchedule"
+    SCHEDULE_ANYWAY = "ScheduleAnyway"
+
+
+class InclusionPolicy(StrEnum):
+    HONOR = "Honor"
+    IGNORE = "Ignore"
+
+
+class FsGroupChangePolicy(StrEnum):
+    ON_ROOT_MISMATCH = "OnRootMismatch"
+    ALWAYS = "Always"
 
 
 class TaintEffect(StrEnum):

@@ -8,9 +8,13 @@ import asyncio
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from splitserve_operator.control.autoscaling.config import AutoscaleConfig
 from splitserve_operator.control.config import OperatorConfig
+
+if TYPE_CHECKING:
+    from splitserve_operator.control.prometheus import PrometheusAuth
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,7 +66,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="serve the planner's /metrics (decisions, desired vs ready) on this port",
     )
+    p.add_argument(
+        "--prometheus-auth-url",
+        default=None,
+        metavar="URL",
+        help="the cluster Prometheus the credentials below are for; they are sent only to "
+        "queries under this URL",
+    )
+    p.add_argument(
+        "--prometheus-bearer-token-file",
+        default=None,
+        metavar="FILE",
+        help="bearer token for --prometheus-auth-url, read again for every query",
+    )
+    p.add_argument(
+        "--prometheus-ca-file",
+        default=None,
+        metavar="FILE",
+        help="PEM CA bundle that signs the certificate of --prometheus-auth-url",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def prometheus_auth(args: argparse.Namespace) -> PrometheusAuth | None:
+    """The Prometheus credentials the flags give, checked together."""
+    from splitserve_operator.control.prometheus import PrometheusAuth
+
+    credentials = args.prometheus_bearer_token_file or args.prometheus_ca_file
+    if not credentials:
+        if args.prometheus_auth_url:
+            raise SystemExit(
+                "--prometheus-auth-url needs --prometheus-bearer-token-file or --prometheus-ca-file"
+            )
+        return None
+    if not args.prometheus_auth_url:
+        raise SystemExit(
+            "--prometheus-bearer-token-file and --prometheus-ca-file need "
+            "--prometheus-auth-url: the Prometheus they are for (nothing else gets them)"
+        )
+    auth = PrometheusAuth(
+        url=args.prometheus_auth_url,
+        bearer_token_file=args.prometheus_bearer_token_file,
+        ca_file=args.prometheus_ca_file,
+    )
+    try:
+        auth.verify()
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    return auth
 
 
 def config_from(args: argparse.Namespace) -> OperatorConfig:
@@ -76,7 +127,9 @@ def config_from(args: argparse.Namespace) -> OperatorConfig:
         request_timeout=args.request_timeout,
         liveness_endpoint=args.liveness,
         record_events=not args.no_events,
-        autoscale=AutoscaleConfig(metrics_port=args.metrics_port),
+        autoscale=AutoscaleConfig(
+            metrics_port=args.metrics_port, prometheus_auth=prometheus_auth(args)
+        ),
     )
 
 

@@ -68,6 +68,7 @@ KINDS: dict[tuple[str, str], Kind] = {
         Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
         Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
         Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+        Kind("gateway.networking.k8s.io/v1", "HTTPRoute", "httproutes"),
     )
 }
 INFERENCE_SERVICE = KINDS[(API_VERSION, KIND)]

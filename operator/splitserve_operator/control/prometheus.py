@@ -14,8 +14,10 @@ an HTTP error or a query error raises :class:`MetricsUnavailable`.
 from __future__ import annotations
 
 import math
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
@@ -30,6 +32,51 @@ QUERY_TIMEOUT_S = 5.0
 
 class MetricsUnavailable(Exception):
     """The metrics source could not be read (unreachable, HTTP error, bad query)."""
+
+
+@dataclass(frozen=True)
+class PrometheusAuth:
+    """Credentials of the cluster's Prometheus, from the operator's own flags.
+
+    They belong to the operator (its service account token is often the credential, as
+    for OpenShift's Thanos querier), not to a tenant: they go only to queries whose URL
+    is under ``url`` (scheme, host and port as given), never to another URL a spec's
+    ``autoscaling.prometheusUrl`` names."""
+
+    url: str
+    """The Prometheus (or querier) the credentials are for: ``https://thanos-querier.openshift-monitoring.svc:9091``."""
+    bearer_token_file: str | None = None
+    """A file holding the bearer token, read again for every query (projected service
+    account tokens are rotated on disk)."""
+    ca_file: str | None = None
+    """A PEM bundle of the CAs that sign the Prometheus server's certificate."""
+
+    def covers(self, url: str) -> bool:
+        base = self.url.rstrip("/")
+        return url.rstrip("/") == base or url.startswith(base + "/")
+
+    def token(self) -> str:
+        """The current bearer token; MetricsUnavailable when the file cannot be read."""
+        assert self.bearer_token_file is not None
+        try:
+            return Path(self.bearer_token_file).read_text().strip()
+        except OSError as exc:
+            raise MetricsUnavailable(
+                f"cannot read the Prometheus bearer token file {self.bearer_token_file}: {exc}; "
+                "check the operator's --prometheus-bearer-token-file and its mount"
+            ) from exc
+
+    def verify(self) -> ssl.SSLContext | bool:
+        """How TLS is checked: against ``ca_file`` when given, else the system's CAs."""
+        if self.ca_file is None:
+            return True
+        try:
+            return ssl.create_default_context(cafile=self.ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(
+                f"cannot load the Prometheus CA bundle {self.ca_file}: {exc}; check the "
+                "operator's --prometheus-ca-file"
+            ) from exc
 
 
 @dataclass(frozen=True)
@@ -153,10 +200,18 @@ class PrometheusSource:
         selector_template: str = DEFAULT_SELECTOR,
         timeout_s: float = QUERY_TIMEOUT_S,
         client: httpx.Client | None = None,
+        auth: PrometheusAuth | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.selector_template = selector_template
-        self._client = client or httpx.Client(timeout=timeout_s)
+        self._auth = auth if auth is not None and auth.covers(url) else None
+        verify = self._auth.verify() if self._auth is not None else True
+        self._client = client or httpx.Client(timeout=timeout_s, verify=verify)
+
+    def _headers(self) -> dict[str, str]:
+        if self._auth is None or self._auth.bearer_token_file is None:
+            return {}
+        return {"Authorization": f"Bearer {self._auth.token()}"}
 
     def close(self) -> None:
         self._client.close()
@@ -164,9 +219,17 @@ class PrometheusSource:
     def query(self, promql: str) -> float | None:
         """One instant query; its single value, or None when there is no data."""
         try:
-            response = self._client.get(f"{self.url}/api/v1/query", params={"query": promql})
+            response = self._client.get(
+                f"{self.url}/api/v1/query", params={"query": promql}, headers=self._headers()
+            )
         except httpx.HTTPError as exc:
             raise MetricsUnavailable(f"Prometheus at {self.url} unreachable: {exc}") from exc
+        if response.status_code in (401, 403):
+            raise MetricsUnavailable(
+                f"Prometheus at {self.url} refused the query (HTTP {response.status_code}): "
+                "give the operator its credentials (--prometheus-bearer-token-file, for "
+                "this URL with --prometheus-auth-url)"
+            )
         try:
             payload = response.json()
         except ValueError as exc:

@@ -19,6 +19,7 @@ import secrets
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from splitserve_operator.api.deprecations import deprecations
 from splitserve_operator.api.fields import as_map
 from splitserve_operator.api.models import InferenceServiceSpec
 from splitserve_operator.api.parse import SpecError, parse_spec
@@ -47,6 +48,7 @@ from splitserve_operator.control.k8s import (
     Cluster,
     Forbidden,
     Invalid,
+    NotFound,
     kind_of,
 )
 from splitserve_operator.control.outcome import Action, NameConflict, Outcome, RetryLater
@@ -59,6 +61,7 @@ from splitserve_operator.render.names import (
     ServiceRef,
 )
 from splitserve_operator.render.replicas import owns_desired_replicas, plan_replicas
+from splitserve_operator.render.routes import router_url
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +124,11 @@ class Reconciler:
     ) -> Outcome:
         old = as_map(body.get("status"))
         new = invalid_status(
-            generation=generation, problems=problems, previous=old, now=self.clock()
+            generation=generation,
+            problems=problems,
+            previous=old,
+            now=self.clock(),
+            warnings=deprecations(body.get("spec")),
         )
         outcome = Outcome(problems=[Problem(Reason.INVALID_SPEC, "; ".join(problems))], status=new)
         changed = self._write_status(body, new, old)
@@ -129,6 +136,7 @@ class Reconciler:
             self.cluster.event(
                 body, "Warning", Reason.INVALID_SPEC.value, "fix the spec: " + "; ".join(problems)
             )
+        self._announce_deprecations(body, new, old)
         return outcome
 
     # -- apply -------------------------------------------------------------------------
@@ -198,6 +206,17 @@ class Reconciler:
                 outcome.actions[label] = Action.FAILED
                 outcome.problems.append(Problem(Reason.NAME_CONFLICT, str(exc)))
                 continue
+            except NotFound as exc:  # a kind the cluster does not serve (no Gateway API)
+                outcome.actions[label] = Action.FAILED
+                outcome.problems.append(
+                    Problem(
+                        Reason.APPLY_FAILED,
+                        f"the API server does not serve {desired.kind} "
+                        f"({desired.api_version}): {exc.message}; install its CRDs or drop the "
+                        "spec field that asks for it",
+                    )
+                )
+                continue
             outcome.actions[label] = action
             results[label] = obj
 
@@ -218,12 +237,15 @@ class Reconciler:
             problems=outcome.problems,
             previous=old,
             now=self.clock(),
+            url=router_url(ref),
+            warnings=deprecations(body.get("spec")),
         )
         outcome.status = new
         self._write_status(body, new, old)
         self._record(
             body, outcome, repeat_problems=degraded_condition(new) != degraded_condition(old)
         )
+        self._announce_deprecations(body, new, old)
         return outcome
 
     def _ensure(
@@ -291,6 +313,15 @@ class Reconciler:
                 return False  # deleted meanwhile
             raise
         return True
+
+    def _announce_deprecations(
+        self, body: Mapping[str, Any], new: Mapping[str, Any], old: Mapping[str, Any]
+    ) -> None:
+        """One Warning Event when the deprecated fields in use change (not on every
+        reconcile that still finds them)."""
+        warnings = new.get("warnings") or []
+        if self.record_events and warnings and warnings != (old.get("warnings") or []):
+            self.cluster.event(body, "Warning", "DeprecatedFields", "; ".join(warnings))
 
     def _record(self, body: Mapping[str, Any], outcome: Outcome, *, repeat_problems: bool) -> None:
         """Events for what changed; a problem is announced when the Degraded condition

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from splitserve_operator.api.models import InferenceServiceSpec
+from splitserve_operator.api.settings import RouterTimeouts
 from splitserve_operator.api.values import Pool, quantity_bytes
 
 EXECUTABLE = "splitserve"
@@ -30,6 +31,16 @@ ROUTER_HTTP_PORT = 8000
 ROUTER_METRICS_SERVICE_PORT = 9100
 """Service port named ``metrics`` on the router Service (targets the HTTP port)."""
 
+WORKER_STARTUP_SECONDS = 1800
+"""How long a worker may take to listen (its startup probe's budget): pulling and loading
+the weights of a large model from the hub can take most of half an hour."""
+ROUTER_STARTUP_SECONDS = 600
+"""How long a router may take to listen (it fetches the tokenizer first)."""
+ROLLOUT_SLACK_SECONDS = 600
+"""Added to a pool's startup budget for its Deployment's progress deadline: scheduling
+and an image pull come before the probe starts counting."""
+PROBE_PERIOD_SECONDS = {Pool.PREFILL: 10, Pool.DECODE: 10, Pool.ROUTER: 5}
+
 CONFIG_DIR = "/etc/splitserve"
 CONFIG_FILE = "splitserve.json"
 TOKEN_DIR = "/var/run/secrets/splitserve"
@@ -44,6 +55,12 @@ POD_IP_ENV = "POD_IP"
 """Set from the downward API; ``$(POD_IP)`` in args expands to the pod's address."""
 ROLE_LABEL = "splitserve.io/role"
 """Pod label the router's Kubernetes discovery reads a worker's role from."""
+
+
+def fetch_model_args(spec: InferenceServiceSpec) -> list[str]:
+    """``splitserve model`` arguments: fetch the weights into the download folder (the
+    shared cache) and check them, before the worker starts."""
+    return ["model", spec.model.weights]
 
 
 def worker_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
@@ -67,7 +84,7 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
         "--kv-backend",
         spec.kv_transfer.backend.value,
         "--lease-seconds",
-        str(spec.kv_transfer.lease_seconds),
+        number(spec.kv_transfer.lease),
         "--token-file",
         TOKEN_FILE,
         "--metrics-port",
@@ -82,9 +99,14 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
     ]
 
 
+def number(value: float) -> str:
+    """A number for a command line: ``30`` rather than ``30.0``, ``0.25`` as it is."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
 def engine_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
     """The pool's ``engine`` settings as ``splitserve worker`` flags (one per field set;
-    ``kvCacheMemory`` in bytes)."""
+    ``kvCacheMemory`` in bytes, ``gpuMemoryPercent`` as the worker's fraction)."""
     engine = spec.worker_pool(pool).engine
     if engine is None:
         return []
@@ -92,6 +114,8 @@ def engine_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
     for name, value in engine.model_dump(exclude_none=True).items():
         if name == "kv_cache_memory":
             value = quantity_bytes(value)
+        if name == "gpu_memory_percent":
+            name, value = "gpu_memory_fraction", number(value / 100)
         out += [f"--{name.replace('_', '-')}", str(value)]
     return out
 
@@ -120,7 +144,7 @@ def router_args(spec: InferenceServiceSpec, namespace: str, selector: str) -> li
         "--kv-backend",
         spec.kv_transfer.backend.value,
         "--lease-seconds",
-        str(spec.kv_transfer.lease_seconds),
+        number(spec.kv_transfer.lease),
         "--token-file",
         TOKEN_FILE,
         *router_setting_args(spec),
@@ -135,19 +159,27 @@ def router_setting_args(spec: InferenceServiceSpec) -> list[str]:
     if settings is None:
         return []
     out: list[str] = []
-    for name, value in settings.model_dump(exclude_none=True, mode="json").items():
+    for name, value in settings.model_dump(exclude_none=True).items():
         if isinstance(value, dict):
             for key, v in value.items():
-                out += ["--set", f"{router_config_key(name, key)}={v}"]
+                shown = number(v) if isinstance(v, float) else str(v)
+                out += ["--set", f"{router_config_key(name, key)}={shown}"]
         else:
             out += [f"--{name.replace('_', '-')}", str(value)]
     return out
 
 
+DURATION_FIELDS = {
+    "queues": {"max_wait", "retry_after"},
+    "timeouts": set(RouterTimeouts.model_fields),
+}
+"""The settings sections' durations: the router's config has them in seconds, ``..._s``."""
+
+
 def router_config_key(section: str, field: str) -> str:
     """The router config's dotted key for a field of a settings section."""
-    if field.endswith("_seconds"):
-        field = field.removesuffix("_seconds") + "_s"
+    if field in DURATION_FIELDS.get(section, ()):
+        field += "_s"
     return f"{section}.{field}"
 
 
@@ -158,6 +190,7 @@ def base_env() -> list[dict[str, Any]]:
         {"name": "HOME", "value": TMP_DIR},
         {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        {"name": "SPLITSERVE_CACHE", "value": f"{CACHE_DIR}/splitserve"},
         {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         {"name": "SPLITSERVE_CONFIG", "value": f"{CONFIG_DIR}/{CONFIG_FILE}"},
@@ -176,11 +209,21 @@ def router_ports() -> list[dict[str, Any]]:
     return [{"name": "http", "containerPort": ROUTER_HTTP_PORT, "protocol": "TCP"}]
 
 
+def startup_seconds(pool: Pool) -> int:
+    """The startup probe's budget of a pool's container."""
+    return ROUTER_STARTUP_SECONDS if pool == Pool.ROUTER else WORKER_STARTUP_SECONDS
+
+
+def _startup(pool: Pool) -> dict[str, int]:
+    period = PROBE_PERIOD_SECONDS[pool]
+    return {"periodSeconds": period, "failureThreshold": startup_seconds(pool) // period}
+
+
 def worker_probes() -> dict[str, Any]:
     """TCP probes on the gRPC port; the startup probe allows 30 minutes to load weights."""
     tcp = {"tcpSocket": {"port": "grpc"}}
     return {
-        "startupProbe": {**tcp, "periodSeconds": 10, "failureThreshold": 180},
+        "startupProbe": {**tcp, **_startup(Pool.DECODE)},
         "readinessProbe": {**tcp, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {**tcp, "periodSeconds": 20, "failureThreshold": 3},
     }
@@ -191,7 +234,7 @@ def router_probes() -> dict[str, Any]:
     id) or converts the built-in model, which may take longer than liveness allows."""
     tcp = {"tcpSocket": {"port": "http"}}
     return {
-        "startupProbe": {**tcp, "periodSeconds": 5, "failureThreshold": 120},
+        "startupProbe": {**tcp, **_startup(Pool.ROUTER)},
         "readinessProbe": {**tcp, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {**tcp, "periodSeconds": 20, "failureThreshold": 3},
     }

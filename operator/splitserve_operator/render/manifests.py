@@ -8,7 +8,7 @@ from typing import Any
 
 from splitserve_operator.api.models import InferenceServiceSpec
 from splitserve_operator.api.values import Pool
-from splitserve_operator.render import support, workloads
+from splitserve_operator.render import routes, support, workloads
 from splitserve_operator.render.names import ServiceRef
 
 
@@ -74,6 +74,8 @@ def render(ref: ServiceRef, spec: InferenceServiceSpec, inputs: RenderInputs) ->
         for pool in Pool
     ]
     objects += [Desired(workloads.disruption_budget(ref, pool)) for pool in Pool]
+    route = routes.http_route(ref, spec)
+    objects.append(Desired(route, existing_only=spec.router.http_route is None))
     return objects
 
 

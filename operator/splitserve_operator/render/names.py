@@ -57,6 +57,10 @@ class ServiceRef:
         return f"{self.name}-router"
 
     @property
+    def http_route(self) -> str:
+        return f"{self.name}-router"
+
+    @property
     def network_policy(self) -> str:
         return f"{self.name}-workers"
 

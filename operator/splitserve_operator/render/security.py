@@ -1,32 +1,41 @@
 """Security settings that make every operator-made pod meet the "restricted"
 Pod Security Standard: non-root, no privilege escalation, no capabilities,
-RuntimeDefault seccomp, read-only root filesystem."""
+RuntimeDefault seccomp, read-only root filesystem.
+
+User and group IDs are left out unless the spec sets them (``podSecurityContext``):
+the images run as a numeric non-root user (``USER 10001:10001`` in
+``Dockerfile.worker``), which ``runAsNonRoot`` accepts, and platforms that assign IDs
+per namespace (OpenShift's restricted-v2) refuse fixed ones. An RDMA pool that asks for
+``IPC_LOCK`` leaves the restricted profile: its namespace must allow that capability.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-RUN_AS_USER = 10001
-"""The non-root user the images create (``Dockerfile.worker``)."""
+from splitserve_operator.api.pods import PodSecurity
+
+IPC_LOCK = "IPC_LOCK"
+"""Lets a process pin memory (RDMA memory registration) beyond its memlock limit."""
 
 
-def pod_security_context() -> dict[str, Any]:
-    return {
-        "runAsNonRoot": True,
-        "runAsUser": RUN_AS_USER,
-        "runAsGroup": RUN_AS_USER,
-        "fsGroup": RUN_AS_USER,
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
+def pod_security_context(ids: PodSecurity | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    if ids is not None:
+        out.update(ids.model_dump(by_alias=True, exclude_none=True, mode="json"))
+    return out
 
 
-def container_security_context() -> dict[str, Any]:
+def container_security_context(*, ipc_lock: bool = False) -> dict[str, Any]:
+    capabilities: dict[str, Any] = {"drop": ["ALL"]}
+    if ipc_lock:
+        capabilities["add"] = [IPC_LOCK]
     return {
         "allowPrivilegeEscalation": False,
         "privileged": False,
         "readOnlyRootFilesystem": True,
         "runAsNonRoot": True,
-        "capabilities": {"drop": ["ALL"]},
+        "capabilities": capabilities,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
 

@@ -25,8 +25,19 @@ def config_document(ref: ServiceRef, spec: InferenceServiceSpec) -> dict[str, An
     return {
         "instance": ref.name,
         "namespace": ref.namespace,
-        "model": spec.model.model_dump(by_alias=True, mode="json"),
-        "kvTransfer": spec.kv_transfer.model_dump(by_alias=True, mode="json"),
+        # written as before the API took durations, so that an upgrade of the operator
+        # alone does not change the config (and roll every pod)
+        "model": {
+            "name": spec.model.name,
+            "source": spec.model.source,
+            "dtype": spec.model.dtype.value,
+        },
+        "kvTransfer": {
+            "backend": spec.kv_transfer.backend.value,
+            "leaseSeconds": _seconds(spec.kv_transfer.lease),
+            "checksums": spec.kv_transfer.checksums,
+            "streams": spec.kv_transfer.streams,
+        },
         "services": {
             pool.value: {
                 "host": f"{ref.service(pool)}.{ref.namespace}.svc",
@@ -38,6 +49,10 @@ def config_document(ref: ServiceRef, spec: InferenceServiceSpec) -> dict[str, An
         },
         "tokenFile": commands.TOKEN_FILE,
     }
+
+
+def _seconds(value: float) -> int | float:
+    return int(value) if value.is_integer() else value
 
 
 def config_map(ref: ServiceRef, spec: InferenceServiceSpec) -> dict[str, Any]:

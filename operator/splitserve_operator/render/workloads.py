@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from splitserve_operator.api.models import InferenceServiceSpec, PoolSpec
-from splitserve_operator.api.values import GPU_RESOURCE, MODEL_MOUNT, Pool
+from splitserve_operator.api.pods import PodTemplateOverlay, Rollout
+from splitserve_operator.api.values import MODEL_MOUNT, Pool
 from splitserve_operator.render import commands, security
 from splitserve_operator.render.names import ANNOTATION_CONFIG_HASH, LABEL_INSTANCE, ServiceRef
 
 TOKEN_FILE_MODE = 0o440
-"""Owner and group (fsGroup) may read the token; nobody else."""
+"""With an ``fsGroup``: owner and group may read the token, nobody else."""
+TOKEN_FILE_MODE_NO_GROUP = 0o444
+"""Without one the files belong to root: the pod's user reads them as "others" (the
+volume is the pod's own; no other pod sees it)."""
 
 
 def _resources(pool_spec: PoolSpec) -> dict[str, Any]:
@@ -19,13 +24,31 @@ def _resources(pool_spec: PoolSpec) -> dict[str, Any]:
     )
     limits: dict[str, Any] = dict(pool_spec.resources.limits or {}) if pool_spec.resources else {}
     if pool_spec.gpus > 0:
-        requests[GPU_RESOURCE] = pool_spec.gpus
-        limits[GPU_RESOURCE] = pool_spec.gpus
+        requests[pool_spec.accelerator_resource] = pool_spec.gpus
+        limits[pool_spec.accelerator_resource] = pool_spec.gpus
+    rdma = getattr(pool_spec, "rdma", None)
+    if rdma is not None:
+        requests[rdma.resource] = rdma.count
+        limits[rdma.resource] = rdma.count
     out: dict[str, Any] = {}
     if requests:
         out["requests"] = requests
     if limits:
         out["limits"] = limits
+    overlay = pool_spec.pod_template
+    if overlay is not None and overlay.resource_claims:
+        out["claims"] = [{"name": claim.name} for claim in overlay.resource_claims]
+    return out
+
+
+def _fetch_resources(pool_spec: PoolSpec) -> dict[str, Any]:
+    """The model fetch's resources: the pool's CPU and memory, no devices."""
+    out: dict[str, Any] = {}
+    for kind in ("requests", "limits"):
+        held = getattr(pool_spec.resources, kind, None) or {}
+        plain = {k: v for k, v in held.items() if k in ("cpu", "memory", "ephemeral-storage")}
+        if plain:
+            out[kind] = plain
     return out
 
 
@@ -36,21 +59,33 @@ def _env(pool_spec: PoolSpec) -> list[dict[str, Any]]:
     return [var for var in commands.base_env() if var["name"] not in names] + user
 
 
+def _download_folder(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The ``cache`` volume the model downloads into: the shared claim, or the pod's own
+    ``emptyDir`` (bounded by ``downloadSizeLimit``)."""
+    if spec.model.cache is not None:
+        return {"persistentVolumeClaim": {"claimName": spec.model.cache.claim_name}}
+    limit = spec.model.download_size_limit
+    return {"emptyDir": {} if limit is None else {"sizeLimit": limit}}
+
+
 def _volumes(
     ref: ServiceRef, spec: InferenceServiceSpec, pool: Pool
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    own_group = spec.pod_security_context is not None and (
+        spec.pod_security_context.fs_group is not None
+    )
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": ref.config_map}},
         {
             "name": "token",
             "secret": {
                 "secretName": ref.token_secret,
-                "defaultMode": TOKEN_FILE_MODE,
+                "defaultMode": TOKEN_FILE_MODE if own_group else TOKEN_FILE_MODE_NO_GROUP,
                 "items": [{"key": commands.TOKEN_KEY, "path": commands.TOKEN_KEY}],
             },
         },
         {"name": "tmp", "emptyDir": {}},
-        {"name": "cache", "emptyDir": {}},
+        {"name": "cache", **_download_folder(spec)},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "config", "mountPath": commands.CONFIG_DIR, "readOnly": True},
@@ -66,6 +101,16 @@ def _volumes(
         # torch's DataLoader and NCCL use shared memory; the default 64 MiB is too small.
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": commands.SHM_DIR})
+    overlay = spec.pool(pool).pod_template
+    if overlay is not None:
+        volumes += [
+            v.model_dump(by_alias=True, exclude_none=True, mode="json")
+            for v in overlay.volumes or []
+        ]
+        mounts += [
+            m.model_dump(by_alias=True, exclude_none=True, mode="json")
+            for m in overlay.volume_mounts or []
+        ]
     return volumes, mounts
 
 
@@ -77,10 +122,13 @@ def _container(
         args = commands.router_args(spec, ref.namespace, f"{LABEL_INSTANCE}={ref.name}")
         ports = commands.router_ports()
         probes = commands.router_probes()
+        ipc_lock = False
     else:
         args = commands.worker_args(spec, pool)
         ports = commands.worker_ports()
         probes = commands.worker_probes()
+        rdma = spec.worker_pool(pool).rdma
+        ipc_lock = rdma is not None and rdma.ipc_lock
     container: dict[str, Any] = {
         "name": pool.value,
         "image": spec.image,
@@ -89,7 +137,7 @@ def _container(
         "ports": ports,
         "env": _env(pool_spec),
         "volumeMounts": mounts,
-        "securityContext": security.container_security_context(),
+        "securityContext": security.container_security_context(ipc_lock=ipc_lock),
         **probes,
     }
     if spec.image_pull_policy is not None:
@@ -100,11 +148,46 @@ def _container(
     return container
 
 
+def _fetch_model(
+    spec: InferenceServiceSpec, pool: Pool, mounts: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The init container that fills the shared cache before the worker starts: a download
+    that takes long runs here, outside the worker's startup probe. Pods that start
+    together share the hub client's per-file locks in the cache; later pods find the
+    files there and fetch nothing."""
+    pool_spec = spec.pool(pool)
+    container: dict[str, Any] = {
+        "name": "fetch-model",
+        "image": spec.image,
+        "command": [commands.EXECUTABLE],
+        "args": commands.fetch_model_args(spec),
+        "env": _env(pool_spec),
+        "volumeMounts": [m for m in mounts if m["name"] != "dshm"],
+        "securityContext": security.container_security_context(),
+    }
+    if spec.image_pull_policy is not None:
+        container["imagePullPolicy"] = spec.image_pull_policy.value
+    resources = _fetch_resources(pool_spec)
+    if resources:
+        container["resources"] = resources
+    return container
+
+
+def _spread(ref: ServiceRef, pool: Pool, overlay: PodTemplateOverlay) -> list[dict[str, Any]]:
+    """The pool's topology spread, each without a selector spreading this pool's pods."""
+    out = []
+    for entry in overlay.topology_spread_constraints or []:
+        rendered = entry.model_dump(by_alias=True, exclude_none=True, mode="json")
+        rendered.setdefault("labelSelector", {"matchLabels": ref.selector(pool)})
+        out.append(rendered)
+    return out
+
+
 def _pod_spec(ref: ServiceRef, spec: InferenceServiceSpec, pool: Pool) -> dict[str, Any]:
     pool_spec = spec.pool(pool)
     volumes, mounts = _volumes(ref, spec, pool)
     pod: dict[str, Any] = {
-        "securityContext": security.pod_security_context(),
+        "securityContext": security.pod_security_context(spec.pod_security_context),
         "enableServiceLinks": False,
         "containers": [_container(ref, spec, pool, mounts)],
         "volumes": volumes,
@@ -112,10 +195,17 @@ def _pod_spec(ref: ServiceRef, spec: InferenceServiceSpec, pool: Pool) -> dict[s
         # too: it stops taking connections and serves the open ones until then)
         "terminationGracePeriodSeconds": commands.POD_GRACE_SECONDS,
     }
+    if spec.model.cache is not None and pool != Pool.ROUTER:
+        pod["initContainers"] = [_fetch_model(spec, pool, mounts)]
+    overlay = pool_spec.pod_template
     if pool == Pool.ROUTER:
         pod["serviceAccountName"] = ref.router_service_account
         pod["automountServiceAccountToken"] = True
     else:
+        if overlay is not None and overlay.service_account_name:
+            # workload identity for the model download (its token comes projected by the
+            # platform's webhook, not as the API token)
+            pod["serviceAccountName"] = overlay.service_account_name
         # Workers never call the Kubernetes API: no token in their pods.
         pod["automountServiceAccountToken"] = False
     if spec.image_pull_secrets:
@@ -135,7 +225,37 @@ def _pod_spec(ref: ServiceRef, spec: InferenceServiceSpec, pool: Pool) -> dict[s
         pod["priorityClassName"] = pool_spec.priority_class_name
     if pool_spec.runtime_class_name:
         pod["runtimeClassName"] = pool_spec.runtime_class_name
+    if overlay is not None:
+        if overlay.scheduler_name:
+            pod["schedulerName"] = overlay.scheduler_name
+        if overlay.topology_spread_constraints:
+            pod["topologySpreadConstraints"] = _spread(ref, pool, overlay)
+        if overlay.resource_claims:
+            pod["resourceClaims"] = [
+                c.model_dump(by_alias=True, exclude_none=True, mode="json")
+                for c in overlay.resource_claims
+            ]
     return pod
+
+
+def strategy(pool_spec: PoolSpec) -> dict[str, Any]:
+    """The rolling update: a GPU pool replaces a pod before it adds one (a surge pod would
+    wait for a spare GPU of the right kind), a CPU pool surges as Kubernetes does by
+    default; ``rollout`` overrides either number."""
+    surge, unavailable = (pool_spec.rollout or Rollout()).effective(pool_spec.gpus)
+    return {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable},
+    }
+
+
+def progress_deadline(pool_spec: PoolSpec, pool: Pool) -> int:
+    """Seconds without progress before the Deployment counts as stalled: never shorter than
+    a pod may take to start (its startup budget), unless ``rollout`` says so."""
+    rollout = pool_spec.rollout
+    if rollout is not None and rollout.progress_deadline is not None:
+        return math.ceil(rollout.progress_deadline)
+    return commands.startup_seconds(pool) + commands.ROLLOUT_SLACK_SECONDS
 
 
 def deployment(
@@ -146,9 +266,15 @@ def deployment(
     replicas: int,
     config_hash: str,
 ) -> dict[str, Any]:
-    labels = ref.labels(pool.value)
-    # the user's first, so that ours (the config hash, the scrape hints) win
-    annotations = {**(spec.pool(pool).pod_annotations or {}), ANNOTATION_CONFIG_HASH: config_hash}
+    pool_spec = spec.pool(pool)
+    overlay = pool_spec.pod_template
+    # the user's first, so that ours (the selector labels, the config hash, the scrape
+    # hints) win; the spec refuses the operator's own keys anyway
+    labels = {**((overlay.labels if overlay else None) or {}), **ref.labels(pool.value)}
+    annotations = {
+        **((overlay.annotations if overlay else None) or {}),
+        ANNOTATION_CONFIG_HASH: config_hash,
+    }
     if pool != Pool.ROUTER:
         labels[commands.ROLE_LABEL] = pool.value
         annotations.update(
@@ -165,6 +291,8 @@ def deployment(
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": ref.selector(pool)},
+            "strategy": strategy(pool_spec),
+            "progressDeadlineSeconds": progress_deadline(pool_spec, pool),
             "template": {
                 "metadata": {"labels": labels, "annotations": annotations},
                 "spec": _pod_spec(ref, spec, pool),

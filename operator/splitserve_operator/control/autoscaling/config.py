@@ -4,16 +4,20 @@ where the operator's own ``/metrics`` is served, and the planner's settings."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from splitserve_operator.api.series import DEFAULT_SELECTOR
 from splitserve_operator.planner.config import PlannerConfig
+
+if TYPE_CHECKING:  # the HTTP client loads only where queries are made
+    from splitserve_operator.control.prometheus import PrometheusAuth
 
 
 @dataclass(frozen=True)
 class AutoscaleConfig:
     resolution_s: float = 5.0
     """Seconds (s) between wake-ups of the kopf timer. Each InferenceService is
-    ticked at its own ``autoscaling.intervalSeconds`` (at least 5 s), so this
+    ticked at its own ``autoscaling.interval`` (at least 5 s), so this
     only bounds how late a tick can be."""
 
     window_s: float = 60.0
@@ -35,6 +39,10 @@ class AutoscaleConfig:
     ready replicas); None: not served. 0 picks a free port."""
 
     metrics_host: str = "0.0.0.0"
+
+    prometheus_auth: PrometheusAuth | None = None
+    """Credentials for the cluster's Prometheus (bearer token file, CA bundle), sent
+    only to queries of the URL they name; None: queries go unauthenticated."""
 
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     """The planner's knobs; its ``observation_window_s`` is set to ``window_s``."""

@@ -1,6 +1,6 @@
 """The autoscaling loop: Prometheus in, the planner's decision out to the cluster.
 
-Every ``autoscaling.intervalSeconds`` (per InferenceService; a kopf timer wakes
+Every ``autoscaling.interval`` (per InferenceService; a kopf timer wakes
 every ``AutoscaleConfig.resolution_s`` and skips services whose interval has
 not passed) :meth:`Autoscaler.tick`:
 
@@ -103,7 +103,9 @@ class Autoscaler:
         self._server: MetricsServer | None = None
 
     def _prometheus(self, url: str) -> MetricsSource:
-        return PrometheusSource(url, selector_template=self.config.selector_template)
+        return PrometheusSource(
+            url, selector_template=self.config.selector_template, auth=self.config.prometheus_auth
+        )
 
     def _source(self, url: str) -> MetricsSource:
         with self._lock:
@@ -145,7 +147,7 @@ class Autoscaler:
             return False
         memory = self._memory.get(self._key(body))
         return memory is None or (
-            self._clock() - memory.last_tick >= spec.autoscaling.interval_seconds - 0.5
+            self._clock() - memory.last_tick >= spec.autoscaling.interval - 0.5
         )
 
     @staticmethod
@@ -174,9 +176,9 @@ class Autoscaler:
         if statuses is None:
             return None  # Deployments not created yet: the reconciler is still at work
         slo = Slo(
-            ttft_s=float(spec.slo.ttft_seconds or 0.0),
-            tpot_s=float(spec.slo.tpot_seconds or 0.0),
-            percentile=spec.slo.percentile,
+            ttft_s=float(spec.slo.ttft or 0.0),
+            tpot_s=float(spec.slo.tpot or 0.0),
+            percentile=spec.slo.quantile,
         )
         target = Target(
             namespace, name, slo.percentile, self.config.window_s, self.config.fast_window_s
