@@ -252,6 +252,82 @@ CASES = [
         ),
     ),
     Case(
+        "surplus-shrinks-once-the-cooldown-after-up-has-passed",
+        Pool.PREFILL,
+        # the last scale-up was 300 s ago (not < 300): ceil(10240 / 6400) = 2
+        {},
+        replicas=6,
+        want=2,
+        reason=Reason.SURPLUS,
+        memory=PoolMemory(
+            capacity=8000.0,
+            capacity_trusted=True,
+            shrink_since=NOW - 400,
+            last_up_at=NOW - 300,
+        ),
+    ),
+    Case(
+        "surplus-in-cooldown-after-up-one-second-before-it-ends",
+        Pool.PREFILL,
+        # the last scale-up was 299 s ago (< 300)
+        {},
+        replicas=6,
+        want=6,
+        reason=Reason.COOLDOWN,
+        memory=PoolMemory(
+            capacity=8000.0,
+            capacity_trusted=True,
+            shrink_since=NOW - 400,
+            last_up_at=NOW - 299,
+        ),
+    ),
+    Case(
+        "surplus-in-cooldown-after-down",
+        Pool.PREFILL,
+        # wanted for 150 s (>= 120), no scale-up ever, but the last scale-down was
+        # 30 s ago (< 60): the 6 -> 2 shrink waits
+        {},
+        replicas=6,
+        want=6,
+        reason=Reason.COOLDOWN,
+        memory=PoolMemory(
+            capacity=8000.0,
+            capacity_trusted=True,
+            shrink_since=NOW - 150,
+            last_down_at=NOW - 30,
+        ),
+    ),
+    Case(
+        "surplus-in-cooldown-after-down-one-second-before-it-ends",
+        Pool.PREFILL,
+        # the last scale-down was 59 s ago (< 60): any shorter cooldown would shrink here
+        {},
+        replicas=6,
+        want=6,
+        reason=Reason.COOLDOWN,
+        memory=PoolMemory(
+            capacity=8000.0,
+            capacity_trusted=True,
+            shrink_since=NOW - 150,
+            last_down_at=NOW - 59,
+        ),
+    ),
+    Case(
+        "surplus-shrinks-once-the-cooldown-after-down-has-passed",
+        Pool.PREFILL,
+        # the last scale-down was 60 s ago (not < 60): ceil(10240 / 6400) = 2
+        {},
+        replicas=6,
+        want=2,
+        reason=Reason.SURPLUS,
+        memory=PoolMemory(
+            capacity=8000.0,
+            capacity_trusted=True,
+            shrink_since=NOW - 150,
+            last_down_at=NOW - 60,
+        ),
+    ),
+    Case(
         "surplus-lower-bound-capacity-has-no-headroom-factor",
         Pool.PREFILL,
         # untrusted 5120 tok/s per replica: ceil(10240 / (5120 x 1)) = 2
@@ -359,3 +435,27 @@ def test_plan_is_pure() -> None:
     case = CASES[0]
     state, tick = _tick(case)
     assert plan(state, tick, CFG) == plan(state, tick, CFG)
+
+
+def test_a_shrink_starts_the_cooldown_after_down() -> None:
+    # Tick 1 shrinks 6 -> 3 (the largest proposal of the window); 30 s later the same
+    # surplus (ceil(10240 / 6400) = 2 < 3) must wait for the 60 s cooldown after that
+    # shrink, and at 60 s it may shrink again.
+    memory = PoolMemory(
+        capacity=8000.0,
+        capacity_trusted=True,
+        shrink_since=NOW - 150,
+        shrink_proposals=((NOW - 100, 3),),
+    )
+    state = PlannerState(prefill=memory)
+    obs = Observation(**CALM)  # type: ignore[arg-type]
+    other = PoolStatus(2, 2, WIDE)
+    first = plan(state, Tick(NOW, SLO, PoolStatus(6, 6, WIDE), other, obs), CFG)
+    assert (first.prefill.replicas, first.prefill.reason) == (3, Reason.SURPLUS)
+    assert first.state.prefill.last_down_at == NOW
+    held = plan(first.state, Tick(NOW + 30, SLO, PoolStatus(3, 3, WIDE), other, obs), CFG)
+    assert (held.prefill.replicas, held.prefill.reason) == (3, Reason.COOLDOWN), held.prefill.detail
+    again = plan(held.state, Tick(NOW + 60, SLO, PoolStatus(3, 3, WIDE), other, obs), CFG)
+    assert (again.prefill.replicas, again.prefill.reason) == (2, Reason.SURPLUS), (
+        again.prefill.detail
+    )
