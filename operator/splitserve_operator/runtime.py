@@ -4,10 +4,13 @@ thread (tests, the bench), with a fresh registry, settings and client each time.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import kopf
 import kubernetes.client
@@ -33,7 +36,16 @@ class Operator:
     settings: kopf.OperatorSettings
 
 
-def build(config: OperatorConfig, configuration: kubernetes.client.Configuration) -> Operator:
+def build(
+    config: OperatorConfig,
+    configuration: kubernetes.client.Configuration,
+    *,
+    clock: Callable[[], float] | None = None,
+    wall_clock: Callable[[], dt.datetime] | None = None,
+) -> Operator:
+    """The operator's parts. ``clock`` (monotonic seconds) and ``wall_clock`` (the
+    stamps written in status) are the autoscaling loop's, for tests that drive its
+    ticks; unset, the real clocks."""
     configuration.connection_pool_maxsize = max(
         configuration.connection_pool_maxsize or 0, config.workers + 4
     )
@@ -46,10 +58,16 @@ def build(config: OperatorConfig, configuration: kubernetes.client.Configuration
     )
     controller = Controller(client, reconciler)
     registry = build_registry(controller)
-    # The planner's loop (issue 7): a kopf timer on autoscaled InferenceServices.
-    autoscale.install(
-        registry, autoscale.Autoscaler(client, config.autoscale, record_events=config.record_events)
+    # The planner's loop: a kopf timer on autoscaled InferenceServices.
+    clocks: dict[str, Any] = {}
+    if clock is not None:
+        clocks["clock"] = clock
+    if wall_clock is not None:
+        clocks["wall_clock"] = wall_clock
+    autoscaler = autoscale.Autoscaler(
+        client, config.autoscale, record_events=config.record_events, **clocks
     )
+    autoscale.install(registry, autoscaler)
     return Operator(config, client, controller, registry, config.kopf_settings())
 
 
@@ -90,8 +108,10 @@ class OperatorThread:
         configuration: kubernetes.client.Configuration,
         *,
         timeout: float = 30.0,
+        clock: Callable[[], float] | None = None,
+        wall_clock: Callable[[], dt.datetime] | None = None,
     ) -> None:
-        self.operator = build(config, configuration)
+        self.operator = build(config, configuration, clock=clock, wall_clock=wall_clock)
         self.timeout = timeout
         self._stop = threading.Event()
         self._ready = threading.Event()
