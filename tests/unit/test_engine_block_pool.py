@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from fuzz_profiles import scaled
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from splitserve_worker.engine.block_pool import BlockPool
@@ -120,7 +121,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=scaled(150), deadline=None)
 @given(ops)
 def test_random_operations_keep_counts_exact(seq: list[tuple]) -> None:
     pool = BlockPool(10)

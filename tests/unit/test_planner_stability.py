@@ -8,6 +8,7 @@ from types import ModuleType
 
 import pytest
 from bench_modules import load_bench
+from fuzz_profiles import scaled
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from splitserve_operator.planner import (
@@ -48,7 +49,7 @@ observations = st.one_of(
 
 
 @pytest.mark.unit
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=scaled(150), deadline=None)
 @given(st.lists(st.tuples(observations, st.integers(0, 2)), min_size=1, max_size=60))
 def test_random_ticks_respect_bounds_and_cooldowns(
     ticks: list[tuple[Observation | None, int]],
