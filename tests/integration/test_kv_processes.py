@@ -2,7 +2,9 @@
 
 A request prefilled in one worker process and decoded in another must give the same
 greedy tokens as the same request on one ``both`` worker, over ``grpc`` and ``nixl``;
-killing either side mid-way must leave no block held on the other.
+killing either side mid-way must leave no block held on the other. Each kill comes when
+the worker stopped at a named hold point (``SPLITSERVE_FAULT_HOLD_DIR``: the prefill
+worker once the first layer went out), never after a sleep.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from hold_points import HoldPoints
 from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.kv.nixl_common import loopback_tls
 from splitserve_worker.kv.transport import unavailable_reason
@@ -41,16 +44,20 @@ class Proc:
     address: str = ""
     lines: list[str] = field(default_factory=list)
 
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
     def kill(self) -> None:
         if self.popen.poll() is None:
             self.popen.kill()
         self.popen.wait(timeout=10)
 
 
-def spawn(model: Path, role: str, *extra: str) -> Proc:
+def spawn(model: Path, role: str, *extra: str, holds: HoldPoints | None = None) -> Proc:
     env = dict(os.environ, SPLITSERVE_WORKER_TOKEN=TOKEN, OMP_NUM_THREADS="1",
                UCX_TLS=loopback_tls(), UCX_NET_DEVICES="lo",
-               TOKENIZERS_PARALLELISM="false")  # fmt: skip
+               TOKENIZERS_PARALLELISM="false", **(holds.env() if holds else {}))  # fmt: skip
     cmd = [sys.executable, "-m", "splitserve_worker.cli", "worker", "--role", role,
            "--model", str(model), "--port", "0", "--threads", "1", "--num-blocks", "600",
            *extra]  # fmt: skip
@@ -76,12 +83,18 @@ def spawn(model: Path, role: str, *extra: str) -> Proc:
 
 
 @pytest.fixture(scope="module")
-def trio(tiny_model_path: Path) -> Iterator[dict[str, Proc]]:
+def holds(tmp_path_factory: pytest.TempPathFactory) -> HoldPoints:
+    return HoldPoints(tmp_path_factory.mktemp("holds"))
+
+
+@pytest.fixture(scope="module")
+def trio(tiny_model_path: Path, holds: HoldPoints) -> Iterator[dict[str, Proc]]:
     backend = "grpc" if NIXL_SKIP else "nixl"
     procs: dict[str, Proc] = {}
     try:
         for role in ("prefill", "decode", "both"):
-            procs[role] = spawn(tiny_model_path, role, "--kv-backend", backend, "--checksums")
+            procs[role] = spawn(tiny_model_path, role, "--kv-backend", backend, "--checksums",
+                                holds=holds)  # fmt: skip
         yield procs
     finally:
         for p in procs.values():
@@ -93,23 +106,24 @@ def trio(tiny_model_path: Path) -> Iterator[dict[str, Proc]]:
                 p.kill()
 
 
-async def push_to_frozen_decode(
-    p: WorkerClient, victim: Proc, rid: str, backend: str
+async def push_to_killed_decode(
+    p: WorkerClient, sender: Proc, victim: Proc, rid: str, backend: str, holds: HoldPoints
 ) -> grpc.aio.AioRpcError:
-    """A 4,000-token prefill on ``p`` whose decode worker ``victim`` is frozen once its
-    blocks are reserved (the push starts but is never acknowledged), then killed: the
-    error the prefill ends with."""
+    """A 4,000-token prefill on ``p`` (the process ``sender``) whose decode worker
+    ``victim`` is killed while the push is under way: the prefill worker stops at its
+    ``push`` hold point once the first layer went out, the decode worker dies there, and
+    the prefill goes on pushing to nobody. The error the prefill ends with."""
     d = WorkerClient(victim.address, TOKEN)
     prompt = prompt_of(4000)
     handle = await d.reserve(rid, len(prompt), kv_backend=backend)
-    victim.popen.send_signal(signal.SIGSTOP)
-    try:
+    with holds.armed([sender.pid], "push"):
         prefill = asyncio.ensure_future(p.prefill(rid, prompt, SP, handle))
-        await asyncio.sleep(1.5)
-        assert not prefill.done()
-    finally:
-        victim.kill()
-        await d.close()
+        try:
+            await holds.wait_reached_async([sender.pid], "push", gave_up=prefill.done)
+            assert not prefill.done()
+        finally:
+            victim.kill()
+            await d.close()
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await asyncio.wait_for(prefill, 60)
     assert e.value.code() is grpc.StatusCode.UNAVAILABLE
@@ -137,12 +151,12 @@ def test_tokens_across_processes_match_one_both_worker(trio: dict[str, Proc], ba
 
 
 def test_a_push_over_two_streams_matches_and_a_killed_decode_leaves_nothing_held(
-    trio: dict[str, Proc], tiny_model_path: Path
+    trio: dict[str, Proc], tiny_model_path: Path, holds: HoldPoints
 ) -> None:
     """``--kv-streams 2`` (the default on hosts of 8 or more cores): each layer's spans
     arrive over two connections, out of order; the tokens are one ``both`` worker's, and
     a decode worker killed mid-push leaves the prefill worker holding nothing."""
-    sender = spawn(tiny_model_path, "prefill", "--kv-streams", "2")
+    sender = spawn(tiny_model_path, "prefill", "--kv-streams", "2", holds=holds)
     victim = spawn(tiny_model_path, "decode")
 
     async def scenario() -> None:
@@ -153,7 +167,7 @@ def test_a_push_over_two_streams_matches_and_a_killed_decode_leaves_nothing_held
             ref = await collect(b.generate(f"ref2-{n}", prompt, SP))
             got, _ = await split_request(p, d, f"two-{n}", prompt, SP)
             assert got == ref, n
-        err = await push_to_frozen_decode(p, victim, "doomed-2", "grpc")
+        err = await push_to_killed_decode(p, sender, victim, "doomed-2", "grpc", holds)
         assert "push failed" in (err.details() or ""), err.details()
         for c in (p, d):
             h = await all_free(c, 10)
@@ -170,13 +184,13 @@ def test_a_push_over_two_streams_matches_and_a_killed_decode_leaves_nothing_held
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_killed_mid_transfer_leaves_prefill_holding_nothing(
-    trio: dict[str, Proc], tiny_model_path: Path, backend: str
+    trio: dict[str, Proc], tiny_model_path: Path, holds: HoldPoints, backend: str
 ) -> None:
     victim = spawn(tiny_model_path, "decode", "--kv-backend", backend)
 
     async def scenario() -> None:
         p = WorkerClient(trio["prefill"].address, TOKEN)
-        err = await push_to_frozen_decode(p, victim, "doomed", backend)
+        err = await push_to_killed_decode(p, trio["prefill"], victim, "doomed", backend, holds)
         # grpc: the stream breaks; nixl: the writes fail, or they land and Commit cannot
         details = err.details() or ""
         assert "push failed" in details or (backend == "nixl" and "Commit" in details), details
@@ -192,9 +206,9 @@ def test_decode_killed_mid_transfer_leaves_prefill_holding_nothing(
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_killed_mid_prefill_leaves_decode_holding_nothing(
-    trio: dict[str, Proc], tiny_model_path: Path, backend: str
+    trio: dict[str, Proc], tiny_model_path: Path, holds: HoldPoints, backend: str
 ) -> None:
-    victim = spawn(tiny_model_path, "prefill", "--kv-backend", backend)
+    victim = spawn(tiny_model_path, "prefill", "--kv-backend", backend, holds=holds)
 
     async def scenario() -> None:
         p = WorkerClient(victim.address, TOKEN)
@@ -206,9 +220,11 @@ def test_prefill_killed_mid_prefill_leaves_decode_holding_nothing(
         held = await d.health()
         assert held.free_blocks == before.free_blocks - 250 and held.leases == before.leases + 1
         gen = asyncio.ensure_future(collect(d.generate(rid, prompt, SP, expect_remote_kv=True)))
-        prefill = asyncio.ensure_future(p.prefill(rid, prompt, SP, handle))
-        await asyncio.sleep(0.2)
-        victim.kill()
+        with holds.armed([victim.pid], "push"):
+            prefill = asyncio.ensure_future(p.prefill(rid, prompt, SP, handle))
+            # killed once its first layer went to the decode worker: mid-prefill, mid-push
+            await holds.wait_reached_async([victim.pid], "push", gave_up=prefill.done)
+            victim.kill()
         with pytest.raises(grpc.aio.AioRpcError):
             await asyncio.wait_for(prefill, 30)
         with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -233,6 +249,7 @@ def test_a_stopping_worker_lets_running_streams_finish_and_refuses_new_calls(
     so the router sends it elsewhere; the worker then exits by itself."""
     proc = spawn(tiny_model_path, "both", "--drain-seconds", "60")
     want = 160
+    stopping = "stopping: running calls have 60 s to finish"
 
     async def go() -> tuple[list[int], grpc.StatusCode | None]:
         c = WorkerClient(proc.address, TOKEN)
@@ -243,7 +260,11 @@ def test_a_stopping_worker_lets_running_streams_finish_and_refuses_new_calls(
             got += list(chunk.token_ids)
             if refused is None and len(got) >= 4:
                 proc.popen.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.5)
+                # the worker has taken the signal once it says so; a new call is refused
+                # from then on
+                while stopping not in proc.lines:
+                    assert proc.popen.poll() is None, "\n".join(proc.lines[-20:])
+                    await asyncio.sleep(0.01)
                 try:
                     await collect(c.generate("drain-2", prompt_of(8), sp))
                 except grpc.aio.AioRpcError as e:
@@ -256,6 +277,6 @@ def test_a_stopping_worker_lets_running_streams_finish_and_refuses_new_calls(
         assert len(got) == want  # every token of the running stream came
         assert refused == grpc.StatusCode.UNAVAILABLE
         assert proc.popen.wait(timeout=30) == 0  # long before the 60 s: nothing left to wait on
-        assert "stopping: running calls have 60 s to finish" in proc.lines
+        assert stopping in proc.lines
     finally:
         proc.kill()
