@@ -64,7 +64,9 @@ fuzz: setup
 
 # Outside `make test`: mutants of the modules whose mistakes cost most, each against its
 # fast tests (the table at the top of bench/mutation.py); prints the survivors.
+# MUTATION_ARGS="--only planner/ --max-per-file 25" narrows it (see its --help).
 mutation: setup
+	$(BIN)/pip install -q -e ".[mutation]"
 	nice -n 10 $(BIN)/python bench/mutation.py $(MUTATION_ARGS)
 
 clean:
