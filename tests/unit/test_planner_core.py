@@ -110,6 +110,101 @@ CASES = [
         memory=PoolMemory(capacity=8000.0, capacity_trusted=True),
     ),
     Case(
+        "queue-step-multiplies-the-ready-replicas",
+        Pool.PREFILL,
+        # 80 queued at 20 req/s wait 4 s: ceil(4 x min(4 / 0.5, 2)) = 8 (the lower bound
+        # 10240 / 4 = 2560 per replica sizes only ceil(10240 / 2560) = 4)
+        {"prefill_queue": 80.0},
+        replicas=4,
+        want=8,
+        reason=Reason.QUEUE,
+    ),
+    Case(
+        "queue-wait-at-the-budget-is-no-pressure",
+        Pool.PREFILL,
+        # 10 queued at 20 req/s wait 0.5 s = 0.5 x 1 s: not above the budget; not quiet
+        # either, so no shrink
+        {"prefill_queue": 10.0},
+        want=2,
+        reason=Reason.WITHIN_SLO,
+    ),
+    Case(
+        "queue-backlog-on-a-lower-bound-is-not-counted-twice",
+        Pool.PREFILL,
+        # saturated (100 queued wait 5 s), so the lower bound 2048 stays: without the
+        # backlog ceil(10240 / 2048) = 5; the reactive step ceil(2 x 2) = 4 is smaller
+        {"prefill_queue": 100.0},
+        want=5,
+        reason=Reason.QUEUE,
+        memory=PoolMemory(capacity=2048.0),
+    ),
+    Case(
+        "queue-without-a-request-rate-adds-no-backlog",
+        Pool.PREFILL,
+        # no request rate: the queue's wait is unbounded, but its mean prompt is unknown
+        # (0 tokens): ceil(12800 / (8000 x 0.8)) = 2, no more than the pool has
+        {"prompt_token_rate": 12800.0, "request_rate": 0.0, "prefill_queue": 30.0},
+        want=2,
+        reason=Reason.QUEUE,
+        memory=PoolMemory(capacity=8000.0, capacity_trusted=True),
+    ),
+    Case(
+        "decode-queue-backlog-uses-the-mean-output",
+        Pool.DECODE,
+        # 15 queued at 20 req/s wait 0.75 s > 0.5 s; mean output 2560 / 20 = 128, backlog
+        # 15 x 128 / 30 = 64 tok/s: ceil((2560 + 64) / (1000 x 0.8)) = ceil(3.28) = 4
+        {"decode_queue": 15.0},
+        want=4,
+        reason=Reason.QUEUE,
+        memory=PoolMemory(capacity=1000.0, capacity_trusted=True),
+    ),
+    Case(
+        "kv-step-above-the-breach-step-wins",
+        Pool.DECODE,
+        # TPOT 1.1x: ceil(4 x 1.1) = 5; KV 96 %: ceil(4 x 0.96 / 0.75) = 6: the larger
+        # target's reason is reported
+        {"tpot_s": 0.055, "kv_utilization": 0.96},
+        replicas=4,
+        want=6,
+        reason=Reason.KV_PRESSURE,
+    ),
+    Case(
+        "backlog-gone-a-whole-window-ago-latency-counts",
+        Pool.PREFILL,
+        # the backlog ended 60 s ago (not < 60): TTFT 1.5x is trusted, ceil(2 x 1.5) = 3
+        {"ttft_s": 1.5},
+        want=3,
+        reason=Reason.SLO_BREACH,
+        memory=PoolMemory(backlog_at=NOW - 60),
+    ),
+    Case(
+        "backlog-gone-long-ago-latency-counts",
+        Pool.PREFILL,
+        {"ttft_s": 1.5},
+        want=3,
+        reason=Reason.SLO_BREACH,
+        memory=PoolMemory(backlog_at=NOW - 100),
+    ),
+    Case(
+        "missing-series-below-a-raised-minimum",
+        Pool.PREFILL,
+        # no data, but the bounds are the spec's: 1 -> 2
+        {"prompt_token_rate": None},
+        replicas=1,
+        bounds=Bounds(2, 5),
+        want=2,
+        reason=Reason.BOUNDS,
+    ),
+    Case(
+        "missing-series-above-a-lowered-maximum",
+        Pool.PREFILL,
+        {"prompt_token_rate": None},
+        replicas=7,
+        bounds=Bounds(1, 5),
+        want=5,
+        reason=Reason.BOUNDS,
+    ),
+    Case(
         "kv-pressure",
         Pool.DECODE,
         # KV 96 % >= 90 %: ceil(4 x 0.96 / 0.75) = ceil(5.12) = 6
@@ -336,6 +431,76 @@ CASES = [
         want=2,
         reason=Reason.SURPLUS,
         memory=PoolMemory(capacity=5120.0, shrink_since=NOW - 130),
+    ),
+    Case(
+        "surplus-wanted-119s-still-stabilizing",
+        Pool.PREFILL,
+        # ceil(10240 / 6400) = 2 < 6, wanted for 119 s (< 120)
+        {},
+        replicas=6,
+        want=6,
+        reason=Reason.STABILIZING,
+        memory=PoolMemory(capacity=8000.0, capacity_trusted=True, shrink_since=NOW - 119),
+    ),
+    Case(
+        "surplus-wanted-120s-shrinks",
+        Pool.PREFILL,
+        # wanted for 120 s (not < 120): 6 -> 2
+        {},
+        replicas=6,
+        want=2,
+        reason=Reason.SURPLUS,
+        memory=PoolMemory(capacity=8000.0, capacity_trusted=True, shrink_since=NOW - 120),
+    ),
+    Case(
+        "surplus-capacity-unknown-one-fewer",
+        Pool.PREFILL,
+        # 2 prompt tok/s over 4 replicas is 0.5 per replica (< 1: nothing learned), TTFT
+        # 0.2x: no capacity to size from, so one fewer: 4 - 1 = 3
+        {"prompt_token_rate": 2.0, "request_rate": 0.01},
+        replicas=4,
+        want=3,
+        reason=Reason.SURPLUS,
+        memory=PoolMemory(shrink_since=NOW - 150),
+    ),
+    Case(
+        "decode-surplus-on-low-tpot",
+        Pool.DECODE,
+        # TPOT 0.02 / 0.05 = 0.4 < 0.8, KV 50 % < 60 %: ceil(2560 / (1000 x 0.8)) = 4 < 6
+        {"tpot_s": 0.02},
+        replicas=6,
+        want=4,
+        reason=Reason.SURPLUS,
+        memory=PoolMemory(capacity=1000.0, capacity_trusted=True, shrink_since=NOW - 150),
+    ),
+    Case(
+        "decode-trickle-is-not-idle",
+        Pool.DECODE,
+        # 0.5 generated tok/s and no arrivals is not idle (tokens still flow): 0.5 / 5
+        # replicas teaches no capacity, so one fewer, 5 -> 4, not the minimum 2
+        {
+            "prompt_token_rate": 0.0,
+            "generation_token_rate": 0.5,
+            "request_rate": 0.0,
+            "tpot_s": None,
+            "ttft_s": None,
+            "kv_utilization": 0.0,
+        },
+        replicas=5,
+        bounds=Bounds(2, 10),
+        want=4,
+        reason=Reason.SURPLUS,
+        memory=PoolMemory(shrink_since=NOW - 150),
+    ),
+    Case(
+        "latency-fine-but-capacity-wants-more-is-no-shrink",
+        Pool.PREFILL,
+        # load 10240 / (6000 x 2) = 0.85 (< 0.95: no proactive step), TTFT 0.2x: a shrink
+        # would size ceil(10240 / (6000 x 0.8)) = 3 > 2, which is no shrink at all
+        {},
+        want=2,
+        reason=Reason.WITHIN_SLO,
+        memory=PoolMemory(capacity=6000.0, capacity_trusted=True),
     ),
     Case(
         "idle-goes-to-the-minimum",
