@@ -140,7 +140,7 @@ def enumerate_mutants(targets: Sequence[Target], root: Path) -> list[Mutant]:
             files = target_files(target, root)
             if not files:
                 raise SystemExit(f"no file matches {target.files!r}: update TARGETS")
-            with use_db(str(Path(tmp) / f"session{n}.sqlite"), WorkDB.Mode.create) as db:
+            with use_db(str(Path(tmp) / f"mutants{n}.sqlite"), WorkDB.Mode.create) as db:
                 init([root / f for f in files], db, {})
                 for item in db.work_items:
                     for m in item.mutations:

@@ -1,6 +1,6 @@
 """Properties over random tick sequences: bounds hold, no scale-down inside a
 cooldown, never a move on missing data; and the planner in closed loop with the
-bench's queueing model meets the issue's targets on a x3 load step."""
+bench's queueing model meets the planner's targets on a x3 load step."""
 
 from __future__ import annotations
 
