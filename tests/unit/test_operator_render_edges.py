@@ -140,7 +140,9 @@ def test_worker_services_are_headless_grpc_and_the_routers_serves_http() -> None
     for pool in ("prefill", "decode"):
         s = objs[f"Service/demo-{pool}"]["spec"]
         assert s["clusterIP"] == "None", pool  # the router finds each worker pod
-        assert [(p["name"], p["port"]) for p in s["ports"]][0] == ("grpc", WORKER_GRPC_PORT)
+        first = s["ports"][0]
+        assert (first["name"], first["port"]) == ("grpc", WORKER_GRPC_PORT)
     router = objs["Service/demo-router"]["spec"]
     assert "clusterIP" not in router and router["type"] == "ClusterIP"
-    assert [(p["name"], p["port"]) for p in router["ports"]][0] == ("http", ROUTER_HTTP_PORT)
+    first = router["ports"][0]
+    assert (first["name"], first["port"]) == ("http", ROUTER_HTTP_PORT)

@@ -170,6 +170,16 @@ def test_no_generated_tokens_teach_no_output_ratio() -> None:
     assert learn_output_ratio(0.25, idle, signals, PlannerConfig()) == 0.25
 
 
+def test_a_trickle_of_prompt_tokens_teaches_no_output_ratio() -> None:
+    """Under MIN_LEARN_RATE (1 tok/s) of prompts, gen / prompt says nothing (here it
+    would be 1 / 2e-311 = inf)."""
+    trickle = obs(prompt_token_rate=2.225073858507e-311, generation_token_rate=1.0)
+    signals = decode_signals(trickle, SLO, PlannerConfig(), None)
+    assert learn_output_ratio(0.25, trickle, signals, PlannerConfig()) == 0.25
+    assert learn_output_ratio(None, trickle, signals, PlannerConfig()) is None
+    assert learn_output_ratio(None, obs(), signals, PlannerConfig()) == 0.25  # 2560 / 10240
+
+
 def test_one_pools_missing_series_means_the_tick_lacked_metrics() -> None:
     for missing in ("prompt_token_rate", "generation_token_rate"):
         result = plan(PlannerState(), Tick(NOW, SLO, TWO, TWO, obs(**{missing: None})))
