@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # set TORCH_SPEC to the build you want.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: run test setup system-deps lint typecheck imports proto clean
+.PHONY: run test setup system-deps lint typecheck imports proto fuzz mutation clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -55,5 +55,19 @@ proto: setup
 test: setup system-deps lint typecheck imports
 	$(BIN)/python -m pytest -q
 
+# Outside `make test`: every property test with twenty times its examples and a fresh
+# random search (CI runs a fixed one, see tests/support/fuzz_profiles.py); a failure
+# found is kept in .hypothesis/ and tried first next time; add it as an @example.
+FUZZ_TESTS = $(shell grep -rl --include='test_*.py' '^from hypothesis' tests)
+fuzz: setup
+	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest -q -p no:cacheprovider $(FUZZ_TESTS)
+
+# Outside `make test`: mutants of the modules whose mistakes cost most, each against its
+# fast tests (the table at the top of bench/mutation.py); prints the survivors.
+# MUTATION_ARGS="--only planner/ --max-per-file 25" narrows it (see its --help).
+mutation: setup
+	$(BIN)/pip install -q -e ".[mutation]"
+	nice -n 10 $(BIN)/python bench/mutation.py $(MUTATION_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,11 +1,19 @@
-"""Fixtures shared by every tier: the tiny test model and the e2e gate."""
+"""Fixtures shared by every tier: the tiny test model and the e2e gate; and the
+Hypothesis profile (``ci`` when ``CI`` is set: a fixed search; see ``fuzz_profiles``)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import fuzz_profiles
 import pytest
+
+HYPOTHESIS_PROFILE = fuzz_profiles.load()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"hypothesis profile: {HYPOTHESIS_PROFILE}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

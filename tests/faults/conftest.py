@@ -196,11 +196,53 @@ FAULT_ROLES = [Role.PREFILL, Role.PREFILL, Role.DECODE, Role.DECODE, Role.DECODE
 """Two prefill and three decode workers: room to lose one of each and still serve."""
 
 
+class WholeStacks:
+    """Hands each fault scenario a whole stack (:data:`FAULT_ROLES`): the one the last
+    scenario left when every worker is alive, idle and seen healthy by the router
+    (:meth:`Stack.gaps`), else a fresh one. No scenario inherits another's dead or
+    frozen workers, or depends on the order the scenarios run in."""
+
+    def __init__(self, model: Path, tmp: pytest.TempPathFactory) -> None:
+        self.model = model
+        self.tmp = tmp
+        self.current: Stack | None = None
+        self.started = 0
+        self.replaced: list[list[str]] = []
+        """Why each stack that was not whole was replaced (for the test log)."""
+
+    def whole(self) -> Stack:
+        if self.current is not None:
+            gaps = asyncio.run(self.current.gaps())
+            if gaps:
+                self.replaced.append(gaps)
+                print(f"fault stack replaced: {'; '.join(gaps)}")
+                self.current.stop()
+                self.current = None
+        if self.current is None:
+            self.current = start_stack(self.model, FAULT_ROLES, self.tmp.mktemp("fault-stack"))
+            self.started += 1
+            gaps = asyncio.run(self.current.gaps())
+            assert not gaps, f"a fresh fault stack is not whole: {gaps}"
+        return self.current
+
+    def stop(self) -> None:
+        if self.current is not None:
+            self.current.stop()
+            self.current = None
+
+
 @pytest.fixture(scope="module")
-def fault_stack(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """One stack shared by a module's fault scenarios (each finds its own survivors)."""
-    s = start_stack(tiny_model_path, FAULT_ROLES, tmp_path_factory.mktemp("fault-stack"))
+def whole_stacks(
+    tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WholeStacks]:
+    stacks = WholeStacks(tiny_model_path, tmp_path_factory)
     try:
-        yield s
+        yield stacks
     finally:
-        s.stop()
+        stacks.stop()
+
+
+@pytest.fixture
+def fault_stack(whole_stacks: WholeStacks) -> Stack:
+    """A whole stack for one fault scenario (see :class:`WholeStacks`)."""
+    return whole_stacks.whole()

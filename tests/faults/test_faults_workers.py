@@ -1,7 +1,9 @@
 """Workers fail while 50 requests are in flight; every request still ends, no block leaks.
 
-One stack (two prefill, three decode workers, the router; real processes on 127.0.0.1)
-goes through the faults in order: the router's connections to a decode worker are cut,
+Each scenario starts from a whole stack (two prefill, three decode workers, the router;
+real processes on 127.0.0.1): the one the previous scenario left if every worker is
+alive, idle and seen healthy by the router, else a fresh one. The faults: the router's
+connections to a decode worker are cut,
 a decode worker is frozen (SIGSTOP) past its lease and thawed, a prefill worker is
 killed mid-prefill, a decode worker is killed mid-transfer, another mid-stream. Each fault
 hits the first worker the router used that stopped at a named point (``kv.faults.Holds``:
@@ -75,6 +77,7 @@ def check(outcomes: list[Any], expected: list[list[int]], kit: Any) -> int:
 async def scenario(
     stack: Any, kit: Any, model: Path, salt: int, fault: Callable[[], Awaitable[None]]
 ) -> tuple[list[Any], dict[int, Any], dict[str, int]]:
+    assert stack.survivors() == list(range(len(stack.relays))), "not a whole stack"
     prompts = [kit.prompt_of(salt * 1000 + i) for i in range(N)]
     expected = await asyncio.to_thread(kit.reference_tokens, model, prompts, MAX_TOKENS)
     await stack.wait_router_sees(stack.survivors())
@@ -185,7 +188,7 @@ def test_decode_worker_killed_mid_transfer(
 def test_decode_worker_killed_mid_stream(fault_stack: Any, kit: Any, tiny_model_path: Path) -> None:
     s = fault_stack
     live = tuple(i for i in DECODE if i in s.survivors())
-    assert len(live) >= 2, "an earlier scenario left fewer than two decode workers"
+    assert live == DECODE, "the scenario did not start from a whole stack"
 
     async def fault() -> None:
         # the first decode worker to have sent a stream's first tokens dies right there

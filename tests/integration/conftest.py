@@ -12,13 +12,16 @@ Reuse them from any integration test (the planner's too):
   ``$KUBECONFIG``.
 - ``start_operator``: starts the real kopf operator in a thread against the emulator,
   cluster-wide, with test-friendly settings; stopped at teardown. Call it again
-  after stopping one to restart.
+  after stopping one to restart. ``clock=`` / ``wall_clock=`` hand the autoscaling
+  loop a test's clock (see ``manual_clock.ManualClock``), so a test decides when a
+  tick is due.
 - ``wait_for(predicate, timeout)``: poll until ``predicate()`` is truthy and return it.
 - ``inference_service(name, namespace, **spec)``: a manifest with a valid minimal spec.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -105,8 +108,19 @@ def operator_config(**overrides: Any) -> OperatorConfig:
 def start_operator(kube: EmulatorThread) -> Iterator[Callable[..., OperatorThread]]:
     started: list[OperatorThread] = []
 
-    def start(**overrides: Any) -> OperatorThread:
-        op = OperatorThread(operator_config(**overrides), kube.configuration(), timeout=20)
+    def start(
+        *,
+        clock: Callable[[], float] | None = None,
+        wall_clock: Callable[[], dt.datetime] | None = None,
+        **overrides: Any,
+    ) -> OperatorThread:
+        op = OperatorThread(
+            operator_config(**overrides),
+            kube.configuration(),
+            timeout=20,
+            clock=clock,
+            wall_clock=wall_clock,
+        )
         op.start()
         started.append(op)
         return op

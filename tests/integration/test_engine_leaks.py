@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from fuzz_profiles import scaled
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from splitserve import metric_names as names
@@ -57,7 +58,7 @@ op = st.one_of(
 
 
 @settings(
-    max_examples=40,
+    max_examples=scaled(40),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fuzz_profiles import scaled
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -175,7 +176,9 @@ NEAR_VALID_CHAT = st.fixed_dictionaries(
         "content": st.text(max_size=30)}), min_size=1, max_size=3)},
     optional={**SANE, "logprobs": st.booleans(), "max_completion_tokens": st.integers(1, 30)},
 )  # fmt: skip
-FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=scaled(80), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 @FUZZ
@@ -192,7 +195,7 @@ def test_chat_completions_never_5xx(base_url: str, body: Any) -> None:
         check(c.post(f"{base_url}/v1/chat/completions", json=body))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=scaled(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/x",
                           "/", "/v1/completions/", "/health"]),

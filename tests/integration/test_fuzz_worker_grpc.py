@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 import pytest
+from fuzz_profiles import scaled
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from splitserve.grpc_options import auth_metadata
@@ -292,9 +293,13 @@ def decode_worker(tiny_model_path: Path) -> Iterator[tuple[asyncio.AbstractEvent
 COUNTS = st.integers(-3, 48) | st.sampled_from([2**31 - 1, -(2**31)])
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow,
-                                 HealthCheck.function_scoped_fixture])  # fmt: skip
+@settings(max_examples=scaled(60), deadline=None, suppress_health_check=[HealthCheck.too_slow,
+          HealthCheck.function_scoped_fixture])  # fmt: skip
+# found by the search: an empty span whose payload was drawn one byte short of nothing
+@example(layer=0, start_token=0, num_tokens=0, data_tokens=0, extra_bytes=-1, crc="none",
+         same_compat=True, sized=False)  # fmt: skip
+@example(layer=0, start_token=0, num_tokens=0, data_tokens=0, extra_bytes=-1, crc="right",
+         same_compat=True, sized=True)  # fmt: skip
 @given(
     layer=st.integers(-2, 6),
     start_token=COUNTS,

@@ -1,11 +1,14 @@
 """Failures with real worker processes: a killed prefill worker, a decode worker lost before
 the first token, one lost mid-stream (migration), and a client that disconnects (every
-worker's KV is freed)."""
+worker's KV is freed). The mid-stream kill and the hang-ups happen while the worker is
+stopped at its ``stream`` hold point (``SPLITSERVE_FAULT_HOLD_DIR``: after a stream's
+first tokens), so they land mid-stream however fast the machine decodes."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import secrets
 import signal
@@ -13,9 +16,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import httpx
 import pytest
+from hold_points import HoldPoints
 from splitserve.roles import Role
 from splitserve_worker.client import WorkerClient
 from splitserve_worker.commands.up import WorkerProcs
@@ -66,10 +71,18 @@ def greedy(model: Any, prompt: list[int], n: int) -> list[int]:
 
 
 class Stack:
-    def __init__(self, model: Path, roles: list[Role]) -> None:
+    def __init__(self, model: Path, roles: list[Role], holds: HoldPoints) -> None:
         self.token = secrets.token_hex(8)
+        self.holds = holds
         self.procs = WorkerProcs(str(model), roles, self.token, threads=1, echo=False)
-        self.endpoints = self.procs.start(timeout_s=300)
+        with mock.patch.dict(os.environ, holds.env()):
+            self.endpoints = self.procs.start(timeout_s=300)
+
+    def pid(self, ep: WorkerEndpoint) -> int:
+        return self.procs.procs[self.index(ep)].proc.pid
+
+    def by_pid(self, pid: int) -> WorkerEndpoint:
+        return next(ep for ep in self.endpoints if self.pid(ep) == pid)
 
     def router(self, tokenizer: Any, eps: list[WorkerEndpoint], **cfg: Any) -> RouterThread:
         config = RouterConfig(model_name="tiny", worker_token=self.token, **cfg)
@@ -97,11 +110,11 @@ class Stack:
 
 
 @pytest.fixture
-def stack_factory(tiny_model_path: Path) -> Iterator[Any]:
+def stack_factory(tiny_model_path: Path, tmp_path: Path) -> Iterator[Any]:
     made: list[Stack] = []
 
     def make(roles: list[Role]) -> Stack:
-        s = Stack(tiny_model_path, roles)
+        s = Stack(tiny_model_path, roles, HoldPoints(tmp_path / f"holds-{len(made)}"))
         made.append(s)
         return s
 
@@ -199,21 +212,29 @@ def test_decode_lost_mid_stream_migrates_with_identical_tokens(
             assert uninterrupted != want, "the penalties change no token"
             want = uninterrupted
         got: list[int] = []
-        killed = False
-        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+        killed: WorkerEndpoint | None = None
+        pids = [st.pid(e) for e in st.endpoints]
+        with (
+            st.holds.armed(pids, "stream"),
+            httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r,
+        ):
             for line in r.iter_lines():
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
                 assert "error" not in chunk, chunk
                 got += chunk["choices"][0].get("token_ids", [])
-                if not killed and len(got) >= 5:
-                    busy = [w for w in httpx.get(f"{base}/health").json()["workers"]
+                if killed is None and got:
+                    # the worker streaming it stops after its first tokens: killed there
+                    killed = st.by_pid(st.holds.wait_reached(pids, "stream"))
+                    busy = [w["name"] for w in httpx.get(f"{base}/health").json()["workers"]
                             if w["assigned"] > 0]  # fmt: skip
-                    assert len(busy) == 1
-                    st.kill(next(e for e in st.endpoints if e.name == busy[0]["name"]))
-                    killed = True
-        assert killed
+                    assert busy == [killed.name], busy
+                    st.kill(killed)
+                    for pid in pids:  # the worker it moves to streams on
+                        st.holds.release(pid, "stream")
+        assert killed is not None
+        assert len(got) == n
         assert got == want
         assert metric(base, "splitserve_router_retries_total", "migrate") == 1
 
@@ -226,23 +247,42 @@ def test_client_disconnect_frees_kv_on_every_worker(stack_factory: Any, tokenize
     assert all(busy == 0 for _, busy in before.values())
     body = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}  # fmt: skip
+    pids = [st.pid(e) for e in st.endpoints]
+
+    async def hang_up_mid_stream(base: str, n: int) -> None:
+        """A non-streamed request of ``n`` choices, given up by its client once a worker
+        is stopped mid-stream on it."""
+        async with httpx.AsyncClient(timeout=60) as client:
+            call = asyncio.ensure_future(
+                client.post(f"{base}/v1/completions", json={**body, "stream": False, "n": n})
+            )
+            try:
+                await st.holds.wait_reached_async(pids, "stream", gave_up=call.done)
+            finally:
+                call.cancel()  # the client hangs up: the connection closes
+            with pytest.raises(asyncio.CancelledError):
+                await call
+
     with (
         st.router(tokenizer, pd, disaggregation=ALWAYS_REMOTE) as remote_base,
         st.router(tokenizer, both) as local_base,
     ):
         for base in (remote_base, local_base):
-            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
-                seen = 0
+            # streaming: the worker stops after the first tokens, the client leaves there
+            with (
+                st.holds.armed(pids, "stream"),
+                httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r,
+            ):
                 for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        seen += len(json.loads(line[6:])["choices"][0].get("token_ids", []))
-                    if seen >= 3:
+                    if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get(
+                        "token_ids"
+                    ):
+                        st.holds.wait_reached(pids, "stream")
                         break  # leaving the block closes the connection mid-stream
             # non-streaming, one choice or two: the client gives up while they run
             for n in (1, 2):
-                with pytest.raises(httpx.ReadTimeout):
-                    httpx.post(f"{base}/v1/completions", json={**body, "stream": False, "n": n},
-                               timeout=1.0)  # fmt: skip
+                with st.holds.armed(pids, "stream"):
+                    asyncio.run(hang_up_mid_stream(base, n))
         deadline = time.monotonic() + 20
         now = st.free_blocks(st.endpoints)
         while now != before and time.monotonic() < deadline:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import grpc
 import httpx
 from splitserve.roles import Role
 from splitserve.v1 import worker_pb2 as pb
@@ -290,6 +291,37 @@ class Stack:
                         return
                 await asyncio.sleep(0.2)
         raise AssertionError(f"the router never saw exactly {sorted(want)} healthy: {body}")
+
+    async def gaps(self) -> list[str]:
+        """What keeps this stack from being whole: a worker dead or frozen, the router
+        gone or not seeing every worker healthy, a worker holding a lease, a request or
+        a block. Empty: the stack is as it started."""
+        found = [f"worker {i} ({self.roles[i].value}) is frozen" for i in sorted(self.stopped)]
+        found += [
+            f"worker {i} ({self.roles[i].value}) is dead"
+            for i in range(len(self.relays))
+            if not self.alive(i)
+        ]
+        if self.router.poll() is not None:
+            found.append(f"the router exited with {self.router.returncode}")
+        if found:
+            return found
+        for i in range(len(self.relays)):
+            try:
+                h = await self.health(i)
+            except grpc.aio.AioRpcError as e:
+                found.append(f"worker {i} does not answer Health: {e.code().name}")
+                continue
+            if (h.free_blocks, h.leases, h.running, h.waiting) != (h.total_blocks, 0, 0, 0):
+                found.append(
+                    f"worker {i} holds something: free {h.free_blocks}/{h.total_blocks}, "
+                    f"leases {h.leases}, running {h.running}, waiting {h.waiting}"
+                )
+        try:
+            await self.wait_router_sees(range(len(self.relays)), timeout=15.0)
+        except AssertionError as e:
+            found.append(str(e))
+        return found
 
     def stop(self) -> None:
         for i in list(self.stopped):

@@ -16,7 +16,9 @@ must see from inside the block.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from types import TracebackType
 from typing import Any
@@ -50,8 +52,10 @@ class OperatorThread:
         configuration: kubernetes.client.Configuration,
         *,
         timeout: float = 30.0,
+        clock: Callable[[], float] | None = None,
+        wall_clock: Callable[[], dt.datetime] | None = None,
     ) -> None:
-        self.operator: Operator = build(config, configuration)
+        self.operator: Operator = build(config, configuration, clock=clock, wall_clock=wall_clock)
         self.timeout = timeout
         self._started = threading.Event()
         self._stack = contextlib.ExitStack()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from fuzz_profiles import scaled
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from splitserve.prefix_hash import block_hashes, hash_block
@@ -121,7 +122,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=scaled(150), deadline=None)
 @given(ops)
 def test_random_operations_keep_counts_exact(seq: list[tuple]) -> None:
     pool = BlockPool(10)

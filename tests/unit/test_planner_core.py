@@ -110,6 +110,101 @@ CASES = [
         memory=PoolMemory(capacity=8000.0, capacity_trusted=True),
     ),
     Case(
+        "queue-step-multiplies-the-ready-replicas",
+        Pool.PREFILL,
+        # 80 queued at 20 req/s wait 4 s: ceil(4 x min(4 / 0.5, 2)) = 8 (the lower bound
+        # 10240 / 4 = 2560 per replica sizes only ceil(10240 / 2560) = 4)
+        {"prefill_queue": 80.0},
+        replicas=4,
+        want=8,
+        reason=Reason.QUEUE,
+    ),
+    Case(
+        "queue-wait-at-the-budget-is-no-pressure",
+        Pool.PREFILL,
+        # 10 queued at 20 req/s wait 0.5 s = 0.5 x 1 s: not above the budget; not quiet
+        # either, so no shrink
+        {"prefill_queue": 10.0},
+        want=2,
+        reason=Reason.WITHIN_SLO,
+    ),
+    Case(
+        "queue-backlog-on-a-lower-bound-is-not-counted-twice",
+        Pool.PREFILL,
+        # saturated (100 queued wait 5 s), so the lower bound 2048 stays: without the
+        # backlog ceil(10240 / 2048) = 5; the reactive step ceil(2 x 2) = 4 is smaller
+        {"prefill_queue": 100.0},
+        want=5,
+        reason=Reason.QUEUE,
+        memory=PoolMemory(capacity=2048.0),
+    ),
+    Case(
+        "queue-without-a-request-rate-adds-no-backlog",
+        Pool.PREFILL,
+        # no request rate: the queue's wait is unbounded, but its mean prompt is unknown
+        # (0 tokens): ceil(12800 / (8000 x 0.8)) = 2, no more than the pool has
+        {"prompt_token_rate": 12800.0, "request_rate": 0.0, "prefill_queue": 30.0},
+        want=2,
+        reason=Reason.QUEUE,
+        memory=PoolMemory(capacity=8000.0, capacity_trusted=True),
+    ),
+    Case(
+        "decode-queue-backlog-uses-the-mean-output",
+        Pool.DECODE,
+        # 15 queued at 20 req/s wait 0.75 s > 0.5 s; mean output 2560 / 20 = 128, backlog
+        # 15 x 128 / 30 = 64 tok/s: ceil((2560 + 64) / (1000 x 0.8)) = ceil(3.28) = 4
+        {"decode_queue": 15.0},
+        want=4,
+        reason=Reason.QUEUE,
+        memory=PoolMemory(capacity=1000.0, capacity_trusted=True),
+    ),
+    Case(
+        "kv-step-above-the-breach-step-wins",
+        Pool.DECODE,
+        # TPOT 1.1x: ceil(4 x 1.1) = 5; KV 96 %: ceil(4 x 0.96 / 0.75) = 6: the larger
+        # target's reason is reported
+        {"tpot_s": 0.055, "kv_utilization": 0.96},
+        replicas=4,
+        want=6,
+        reason=Reason.KV_PRESSURE,
+    ),
+    Case(
+        "backlog-gone-a-whole-window-ago-latency-counts",
+        Pool.PREFILL,
+        # the backlog ended 60 s ago (not < 60): TTFT 1.5x is trusted, ceil(2 x 1.5) = 3
+        {"ttft_s": 1.5},
+        want=3,
+        reason=Reason.SLO_BREACH,
+        memory=PoolMemory(backlog_at=NOW - 60),
+    ),
+    Case(
+        "backlog-gone-long-ago-latency-counts",
+        Pool.PREFILL,
+        {"ttft_s": 1.5},
+        want=3,
+        reason=Reason.SLO_BREACH,
+        memory=PoolMemory(backlog_at=NOW - 100),
+    ),
+    Case(
+        "missing-series-below-a-raised-minimum",
+        Pool.PREFILL,
+        # no data, but the bounds are the spec's: 1 -> 2
+        {"prompt_token_rate": None},
+        replicas=1,
+        bounds=Bounds(2, 5),
+        want=2,
+        reason=Reason.BOUNDS,
+    ),
+    Case(
+        "missing-series-above-a-lowered-maximum",
+        Pool.PREFILL,
+        {"prompt_token_rate": None},
+        replicas=7,
+        bounds=Bounds(1, 5),
+        want=5,
+        reason=Reason.BOUNDS,
+    ),
+    Case(
         "kv-pressure",
         Pool.DECODE,
         # KV 96 % >= 90 %: ceil(4 x 0.96 / 0.75) = ceil(5.12) = 6
@@ -252,6 +347,82 @@ CASES = [
         ),
     ),
     Case(
+        "surplus-shrinks-once-the-cooldown-after-up-has-passed",
+        Pool.PREFILL,
+        # the last scale-up was 300 s ago (not < 300): ceil(10240 / 6400) = 2
+        {},
+        replicas=6,
+        want=2,
+        reason=Reason.SURPLUS,
+        memory=PoolMemory(
+            capacity=8000.0,
+            capacity_trusted=True,
+            shrink_since=NOW - 400,
+            last_up_at=NOW - 300,
+        ),
+    ),
+    Case(
+        "surplus-in-cooldown-after-up-one-second-before-it-ends",
+        Pool.PREFILL,
+        # the last scale-up was 299 s ago (< 300)
+        {},
+        replicas=6,
+        want=6,
+        reason=Reason.COOLDOWN,
+        memory=PoolMemory(
+            capacity=8000.0,
+            capacity_trusted=True,
+            shrink_since=NOW - 400,
+            last_up_at=NOW - 299,
+        ),
+    ),
+    Case(
+        "surplus-in-cooldown-after-down",
+        Pool.PREFILL,
+        # wanted for 150 s (>= 120), no scale-up ever, but the last scale-down was
+        # 30 s ago (< 60): the 6 -> 2 shrink waits
+        {},
+        replicas=6,
+        want=6,
+        reason=Reason.COOLDOWN,
+        memory=PoolMemory(
+            capacity=8000.0,
+            capacity_trusted=True,
+            shrink_since=NOW - 150,
+            last_down_at=NOW - 30,
+        ),
+    ),
+    Case(
+        "surplus-in-cooldown-after-down-one-second-before-it-ends",
+        Pool.PREFILL,
+        # the last scale-down was 59 s ago (< 60): any shorter cooldown would shrink here
+        {},
+        replicas=6,
+        want=6,
+        reason=Reason.COOLDOWN,
+        memory=PoolMemory(
+            capacity=8000.0,
+            capacity_trusted=True,
+            shrink_since=NOW - 150,
+            last_down_at=NOW - 59,
+        ),
+    ),
+    Case(
+        "surplus-shrinks-once-the-cooldown-after-down-has-passed",
+        Pool.PREFILL,
+        # the last scale-down was 60 s ago (not < 60): ceil(10240 / 6400) = 2
+        {},
+        replicas=6,
+        want=2,
+        reason=Reason.SURPLUS,
+        memory=PoolMemory(
+            capacity=8000.0,
+            capacity_trusted=True,
+            shrink_since=NOW - 150,
+            last_down_at=NOW - 60,
+        ),
+    ),
+    Case(
         "surplus-lower-bound-capacity-has-no-headroom-factor",
         Pool.PREFILL,
         # untrusted 5120 tok/s per replica: ceil(10240 / (5120 x 1)) = 2
@@ -260,6 +431,76 @@ CASES = [
         want=2,
         reason=Reason.SURPLUS,
         memory=PoolMemory(capacity=5120.0, shrink_since=NOW - 130),
+    ),
+    Case(
+        "surplus-wanted-119s-still-stabilizing",
+        Pool.PREFILL,
+        # ceil(10240 / 6400) = 2 < 6, wanted for 119 s (< 120)
+        {},
+        replicas=6,
+        want=6,
+        reason=Reason.STABILIZING,
+        memory=PoolMemory(capacity=8000.0, capacity_trusted=True, shrink_since=NOW - 119),
+    ),
+    Case(
+        "surplus-wanted-120s-shrinks",
+        Pool.PREFILL,
+        # wanted for 120 s (not < 120): 6 -> 2
+        {},
+        replicas=6,
+        want=2,
+        reason=Reason.SURPLUS,
+        memory=PoolMemory(capacity=8000.0, capacity_trusted=True, shrink_since=NOW - 120),
+    ),
+    Case(
+        "surplus-capacity-unknown-one-fewer",
+        Pool.PREFILL,
+        # 2 prompt tok/s over 4 replicas is 0.5 per replica (< 1: nothing learned), TTFT
+        # 0.2x: no capacity to size from, so one fewer: 4 - 1 = 3
+        {"prompt_token_rate": 2.0, "request_rate": 0.01},
+        replicas=4,
+        want=3,
+        reason=Reason.SURPLUS,
+        memory=PoolMemory(shrink_since=NOW - 150),
+    ),
+    Case(
+        "decode-surplus-on-low-tpot",
+        Pool.DECODE,
+        # TPOT 0.02 / 0.05 = 0.4 < 0.8, KV 50 % < 60 %: ceil(2560 / (1000 x 0.8)) = 4 < 6
+        {"tpot_s": 0.02},
+        replicas=6,
+        want=4,
+        reason=Reason.SURPLUS,
+        memory=PoolMemory(capacity=1000.0, capacity_trusted=True, shrink_since=NOW - 150),
+    ),
+    Case(
+        "decode-trickle-is-not-idle",
+        Pool.DECODE,
+        # 0.5 generated tok/s and no arrivals is not idle (tokens still flow): 0.5 / 5
+        # replicas teaches no capacity, so one fewer, 5 -> 4, not the minimum 2
+        {
+            "prompt_token_rate": 0.0,
+            "generation_token_rate": 0.5,
+            "request_rate": 0.0,
+            "tpot_s": None,
+            "ttft_s": None,
+            "kv_utilization": 0.0,
+        },
+        replicas=5,
+        bounds=Bounds(2, 10),
+        want=4,
+        reason=Reason.SURPLUS,
+        memory=PoolMemory(shrink_since=NOW - 150),
+    ),
+    Case(
+        "latency-fine-but-capacity-wants-more-is-no-shrink",
+        Pool.PREFILL,
+        # load 10240 / (6000 x 2) = 0.85 (< 0.95: no proactive step), TTFT 0.2x: a shrink
+        # would size ceil(10240 / (6000 x 0.8)) = 3 > 2, which is no shrink at all
+        {},
+        want=2,
+        reason=Reason.WITHIN_SLO,
+        memory=PoolMemory(capacity=6000.0, capacity_trusted=True),
     ),
     Case(
         "idle-goes-to-the-minimum",
@@ -359,3 +600,27 @@ def test_plan_is_pure() -> None:
     case = CASES[0]
     state, tick = _tick(case)
     assert plan(state, tick, CFG) == plan(state, tick, CFG)
+
+
+def test_a_shrink_starts_the_cooldown_after_down() -> None:
+    # Tick 1 shrinks 6 -> 3 (the largest proposal of the window); 30 s later the same
+    # surplus (ceil(10240 / 6400) = 2 < 3) must wait for the 60 s cooldown after that
+    # shrink, and at 60 s it may shrink again.
+    memory = PoolMemory(
+        capacity=8000.0,
+        capacity_trusted=True,
+        shrink_since=NOW - 150,
+        shrink_proposals=((NOW - 100, 3),),
+    )
+    state = PlannerState(prefill=memory)
+    obs = Observation(**CALM)  # type: ignore[arg-type]
+    other = PoolStatus(2, 2, WIDE)
+    first = plan(state, Tick(NOW, SLO, PoolStatus(6, 6, WIDE), other, obs), CFG)
+    assert (first.prefill.replicas, first.prefill.reason) == (3, Reason.SURPLUS)
+    assert first.state.prefill.last_down_at == NOW
+    held = plan(first.state, Tick(NOW + 30, SLO, PoolStatus(3, 3, WIDE), other, obs), CFG)
+    assert (held.prefill.replicas, held.prefill.reason) == (3, Reason.COOLDOWN), held.prefill.detail
+    again = plan(held.state, Tick(NOW + 60, SLO, PoolStatus(3, 3, WIDE), other, obs), CFG)
+    assert (again.prefill.replicas, again.prefill.reason) == (2, Reason.SURPLUS), (
+        again.prefill.detail
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from fuzz_profiles import scaled
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from splitserve_operator.sim import (
@@ -167,7 +168,7 @@ def test_tensor_parallel_adds_allreduces() -> None:
     assert RooflineCost(m, h100, 1).comm_time(tokens) == 0.0
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=scaled(60), deadline=None)
 @given(
     b=st.integers(1, 64),
     ctx=st.integers(1, 200_000),
@@ -187,7 +188,7 @@ def test_decode_span_equals_the_sum_of_its_steps(
         assert cost.decode_span(b, ctx, k) == pytest.approx(steps, rel=1e-9)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=scaled(200), deadline=None)
 @given(
     a1=st.floats(-10, 10), b1=st.floats(-3, 3), a2=st.floats(-10, 10), b2=st.floats(-3, 3),
     k=st.integers(0, 50),

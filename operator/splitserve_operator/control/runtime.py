@@ -5,8 +5,11 @@ tests do), :func:`serve` runs it until stopped."""
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import kopf
 import kubernetes.client
@@ -41,7 +44,16 @@ class Operator:
         self.client.close()
 
 
-def build(config: OperatorConfig, configuration: kubernetes.client.Configuration) -> Operator:
+def build(
+    config: OperatorConfig,
+    configuration: kubernetes.client.Configuration,
+    *,
+    clock: Callable[[], float] | None = None,
+    wall_clock: Callable[[], dt.datetime] | None = None,
+) -> Operator:
+    """The operator's parts. ``clock`` (monotonic seconds) and ``wall_clock`` (the
+    stamps written in status) are the autoscaling loop's, for tests that drive its
+    ticks; unset, the real clocks."""
     configuration.connection_pool_maxsize = max(
         configuration.connection_pool_maxsize or 0, config.workers + 4
     )
@@ -55,9 +67,13 @@ def build(config: OperatorConfig, configuration: kubernetes.client.Configuration
     controller = Controller(client, reconciler)
     registry = build_registry(controller)
     # The planner's loop: a kopf timer on autoscaled InferenceServices.
-    install_autoscaling(
-        registry, Autoscaler(client, config.autoscale, record_events=config.record_events)
-    )
+    clocks: dict[str, Any] = {}
+    if clock is not None:
+        clocks["clock"] = clock
+    if wall_clock is not None:
+        clocks["wall_clock"] = wall_clock
+    autoscaler = Autoscaler(client, config.autoscale, record_events=config.record_events, **clocks)
+    install_autoscaling(registry, autoscaler)
     resync = Resync(controller, config.resync_seconds)
     return Operator(config, client, controller, registry, config.kopf_settings(), resync)
 

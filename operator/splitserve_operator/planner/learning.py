@@ -76,11 +76,15 @@ def learn_capacity(
 def learn_output_ratio(
     prev: float | None, obs: Observation, dec: PoolSignals | Missing, config: PlannerConfig
 ) -> float | None:
-    """Generated tokens per prompt token, averaged while decode is not saturated."""
+    """Generated tokens per prompt token, averaged while decode is not saturated.
+
+    Prompt rates under :data:`MIN_LEARN_RATE` teach nothing: a trickle of prompt tokens
+    (a rate window's tail) would make the ratio, and every decode size after it, huge
+    or infinite."""
     if isinstance(dec, Missing) or dec.saturated:
         return prev
     prompt, gen = obs.prompt_token_rate, obs.generation_token_rate
-    if prompt is None or gen is None or prompt <= 0 or gen <= 0:
+    if prompt is None or gen is None or prompt < MIN_LEARN_RATE or gen <= 0:
         return prev
     sample = gen / prompt
     if prev is None:
