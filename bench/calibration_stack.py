@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from splitserve_operator.sim import Workload
+from splitserve_operator.sim.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 THREADS = 1

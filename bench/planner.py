@@ -100,7 +100,7 @@ class Setup:
     def pools(self, seed: int) -> Pools:
         if self.name == "sim":
             from planner_sim import RatePhase, SimPools
-            from splitserve_operator.sim import Slo as SimSlo
+            from splitserve_operator.sim.config import Slo as SimSlo
 
             return SimPools(
                 [RatePhase(u, r) for u, r in self.phases()],
@@ -123,7 +123,7 @@ class Setup:
     def static_attainment(self, prefill: int, decode: int, rate: float, seed: int) -> float:
         if self.name == "sim":
             from planner_sim import static_attainment
-            from splitserve_operator.sim import Slo as SimSlo
+            from splitserve_operator.sim.config import Slo as SimSlo
 
             slo = SimSlo(self.slo.ttft_s, self.slo.tpot_s)
             return static_attainment(prefill, decode, rate, slo, PEAK_PROBE_S, seed)

@@ -18,20 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 from splitserve_operator.planner.model import Observation
-from splitserve_operator.sim import (
-    Mode,
-    Percentiles,
-    Request,
-    Role,
-    SimConfig,
-    Simulator,
-    Slo,
-    Window,
-    get_gpu,
-    get_link,
-    load_model_spec,
-    roofline_config,
-)
+from splitserve_operator.sim.config import Mode, Role, SimConfig, Slo, roofline_config
+from splitserve_operator.sim.hardware import get_gpu, get_link
+from splitserve_operator.sim.metrics import Percentiles, Window
+from splitserve_operator.sim.model_spec import load_model_spec
+from splitserve_operator.sim.simulator import Simulator
+from splitserve_operator.sim.workload import Request
 
 MODEL = "llama-3.1-8b"
 GPU = "h100"

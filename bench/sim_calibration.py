@@ -72,17 +72,12 @@ from calibration_stack import (
     replay,
     stack,
 )
-from splitserve_operator.sim import (
-    LinkSpec,
-    MeasuredCost,
-    PoolConfig,
-    Role,
-    SimConfig,
-    Simulator,
-    Workload,
-    load_model_spec,
-)
-from splitserve_operator.sim.config import LocalPrefill
+from splitserve_operator.sim.config import LocalPrefill, PoolConfig, Role, SimConfig
+from splitserve_operator.sim.cost import MeasuredCost
+from splitserve_operator.sim.hardware import LinkSpec
+from splitserve_operator.sim.model_spec import load_model_spec
+from splitserve_operator.sim.simulator import Simulator
+from splitserve_operator.sim.workload import Workload
 
 GRPC_LOOPBACK_BYTES_PER_S = 1.7e9
 """gRPC streaming on loopback, 1 MiB messages, measured on these machines (TESTING.md)."""

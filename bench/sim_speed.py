@@ -16,14 +16,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from splitserve_operator.sim import (
-    Mode,
-    Simulator,
-    get_gpu,
-    get_link,
-    load_model_spec,
-    roofline_config,
-)
+from splitserve_operator.sim.config import Mode, roofline_config
+from splitserve_operator.sim.hardware import get_gpu, get_link
+from splitserve_operator.sim.model_spec import load_model_spec
+from splitserve_operator.sim.simulator import Simulator
 from splitserve_operator.sim.synth import DAY_S, mooncake_like
 
 

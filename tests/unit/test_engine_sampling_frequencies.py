@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 from chi_square import goodness_of_fit
-from splitserve_worker.engine.sampling import SampleRow, SamplingParams, sample
+from splitserve.sampling import SamplingParams
+from splitserve_worker.engine.sampling import SampleRow, make_generator, sample
 
 pytestmark = pytest.mark.unit
 
@@ -94,7 +95,7 @@ CASES = [
 
 def _draw(case: Case) -> list[int]:
     params = case.params()
-    generator = params.make_generator("cpu")
+    generator = make_generator(params, "cpu")
     assert generator is not None
     rows = [SampleRow(params, generator) for _ in range(N)]
     tokens, _ = sample(torch.tensor([LOGITS]).expand(N, len(LOGITS)), rows)

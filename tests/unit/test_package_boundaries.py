@@ -118,6 +118,47 @@ def test_no_module_imports_a_private_name_from_another_module() -> None:
     assert problems == [], "\n".join(problems)
 
 
+def definitions() -> dict[str, set[str]]:
+    """Names each product module defines at its top level (functions, classes,
+    assignments), and the submodules of each package."""
+    defined: dict[str, set[str]] = {}
+    for package in sorted(PRODUCT):
+        for name, path in modules(package):
+            parent, _, leaf = name.rpartition(".")
+            if parent:
+                defined.setdefault(parent, set()).add(leaf)
+            if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                defined[name] = {"*"}  # generated: whatever protoc wrote
+                continue
+            names = defined.setdefault(name, set())
+            for node in ast.parse(path.read_text(), str(path)).body:
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    names.add(node.name)
+                elif isinstance(node, ast.Assign):
+                    names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    names.add(node.target.id)
+    return defined
+
+
+def test_every_name_is_imported_from_the_module_that_defines_it() -> None:
+    """No re-export facades: ``from pkg import Name`` where ``pkg`` only imports ``Name``
+    itself hides where it lives and ties the caller to the facade. Import it from its
+    own module."""
+    defined = definitions()
+    problems = []
+    for name, path in sources():
+        if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for line, module, what in imported(tree, name, path.name == "__init__.py"):
+            names = defined.get(module)
+            if what is None or names is None or "*" in names or what in names:
+                continue
+            problems.append(f"{path.relative_to(ROOT)}:{line}: from {module} import {what}")
+    assert problems == [], "\n".join(problems)
+
+
 def requirement_closure(extras: set[str]) -> set[str]:
     """Canonical names of the distributions installed for ``splitserve[extras]``: its
     requirements for those extras, and theirs, recursively (what is installed here)."""

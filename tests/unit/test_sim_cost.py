@@ -8,23 +8,21 @@ import pytest
 from fuzz_profiles import scaled
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from splitserve_operator.sim import (
-    GpuSpec,
+from splitserve_operator.sim.config import kv_capacity_tokens, pick_tp
+from splitserve_operator.sim.cost import (
     MeasuredCost,
-    ModelSpec,
     RooflineCost,
     exposed_transfer_s,
-    get_gpu,
-    get_link,
-    known_models,
-    load_model_spec,
-    pick_tp,
+    sum_max_of_lines,
     transfer_end,
 )
-from splitserve_operator.sim.config import kv_capacity_tokens
-from splitserve_operator.sim.cost import sum_max_of_lines
-from splitserve_operator.sim.hardware import HardwareError
-from splitserve_operator.sim.model_spec import ModelSpecError
+from splitserve_operator.sim.hardware import GpuSpec, HardwareError, get_gpu, get_link
+from splitserve_operator.sim.model_spec import (
+    ModelSpec,
+    ModelSpecError,
+    known_models,
+    load_model_spec,
+)
 
 pytestmark = pytest.mark.unit
 

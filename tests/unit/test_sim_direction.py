@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from splitserve_operator.sim import Mode, Slo, get_gpu, get_link, load_model_spec, poisson
 from splitserve_operator.sim.advise import advise
+from splitserve_operator.sim.config import Mode, Slo
 from splitserve_operator.sim.goodput import SplitSearch, best_colocated, best_disaggregated
-from splitserve_operator.sim.workload import Workload
+from splitserve_operator.sim.hardware import get_gpu, get_link
+from splitserve_operator.sim.model_spec import load_model_spec
+from splitserve_operator.sim.workload import Workload, poisson
 
 pytestmark = [pytest.mark.unit, pytest.mark.slow]
 
@@ -35,7 +37,7 @@ def compare(
     layerwise: bool = True,
     chunks: tuple[int, ...] = (128, 256, 512, 1024, 2048),
 ) -> tuple[SplitSearch, SplitSearch]:
-    from splitserve_operator.sim import roofline_config
+    from splitserve_operator.sim.config import roofline_config
 
     m = load_model_spec(model)
     col = best_colocated(roofline_config(m, Mode.COLOCATED, H100), w, slo, gpus, chunks)
@@ -72,7 +74,8 @@ def test_short_prompts_under_light_load_favour_colocated() -> None:
 
 
 def test_light_load_latency_is_lower_colocated() -> None:
-    from splitserve_operator.sim import Simulator, roofline_config
+    from splitserve_operator.sim.config import roofline_config
+    from splitserve_operator.sim.simulator import Simulator
 
     m = load_model_spec("llama-2-7b")
     w = Workload(np.arange(50) * 10.0, np.full(50, 200), np.full(50, 100))  # never overlapping

@@ -9,20 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from splitserve_operator.sim import (
-    ConfigError,
-    LinkSpec,
-    MeasuredCost,
-    ModelSpec,
-    PoolConfig,
-    Request,
-    Role,
-    SimConfig,
-    Simulator,
-    Slo,
-    Workload,
-    poisson,
-)
+from splitserve_operator.sim.config import ConfigError, PoolConfig, Role, SimConfig, Slo
+from splitserve_operator.sim.cost import MeasuredCost
+from splitserve_operator.sim.hardware import LinkSpec
+from splitserve_operator.sim.model_spec import ModelSpec
+from splitserve_operator.sim.simulator import Simulator
+from splitserve_operator.sim.workload import Request, Workload, poisson
 
 pytestmark = pytest.mark.unit
 

@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from splitserve_operator.sim import (
-    MeasuredCost,
-    ModelSpec,
-    PoolConfig,
-    Role,
-    SimConfig,
-    Slo,
-    Workload,
-    get_link,
-)
+from splitserve_operator.sim.config import PoolConfig, Role, SimConfig, Slo
+from splitserve_operator.sim.cost import MeasuredCost
 from splitserve_operator.sim.goodput import disaggregated_splits, goodput
+from splitserve_operator.sim.hardware import get_link
+from splitserve_operator.sim.model_spec import ModelSpec
+from splitserve_operator.sim.workload import Workload
 
 pytestmark = pytest.mark.unit
 

@@ -6,10 +6,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from splitserve_operator.sim import load_azure, load_mooncake, load_trace, parse_length, poisson
 from splitserve_operator.sim.synth import azure_like, mooncake_like
-from splitserve_operator.sim.traces import save_azure, save_mooncake
-from splitserve_operator.sim.workload import Fixed, LogNormal, Uniform, WorkloadError
+from splitserve_operator.sim.traces import (
+    load_azure,
+    load_mooncake,
+    load_trace,
+    save_azure,
+    save_mooncake,
+)
+from splitserve_operator.sim.workload import (
+    Fixed,
+    LogNormal,
+    Uniform,
+    WorkloadError,
+    parse_length,
+    poisson,
+)
 
 pytestmark = pytest.mark.unit
 

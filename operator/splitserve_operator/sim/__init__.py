@@ -6,9 +6,7 @@ what prefill:decode ratio?), by the planner's closed-loop bench, and by tests.
 
 May import: the standard library, numpy and the contract package ``splitserve``;
 no other room of the operator, no worker module, nor kopf, kubernetes, grpc or
-torch. The names imported at the end of this file are the API the planner's
-benches and the tests use; the room's own modules import each name from the
-module that defines it, never from here.
+torch. Nothing is re-exported here: import each name from the module that defines it.
 
 Modules
 -------
@@ -72,8 +70,11 @@ Closed loop (the planner's API)
 -------------------------------
 ::
 
-    from splitserve_operator.sim import Simulator, roofline_config, Mode, Slo, poisson
-    from splitserve_operator.sim import load_model_spec, get_gpu, get_link
+    from splitserve_operator.sim.config import Mode, Slo, roofline_config
+    from splitserve_operator.sim.hardware import get_gpu, get_link
+    from splitserve_operator.sim.model_spec import load_model_spec
+    from splitserve_operator.sim.simulator import Simulator
+    from splitserve_operator.sim.workload import poisson
 
     cfg = roofline_config(load_model_spec("llama-3.1-8b"), Mode.DISAGGREGATED,
                           get_gpu("h100"), link=get_link("roce400"),
@@ -103,68 +104,3 @@ Closed loop (the planner's API)
 - A workload can be any iterable of :class:`Request` in arrival order, so a
   planner bench can generate traffic lazily (e.g. a diurnal rate).
 """
-
-from splitserve_operator.sim.config import (
-    ConfigError,
-    LocalPrefill,
-    Mode,
-    PoolConfig,
-    Role,
-    SimConfig,
-    Slo,
-    pick_tp,
-    roofline_config,
-    roofline_pool,
-)
-from splitserve_operator.sim.cost import (
-    CostModel,
-    MeasuredCost,
-    RooflineCost,
-    exposed_transfer_s,
-    transfer_end,
-)
-from splitserve_operator.sim.hardware import GPUS, LINKS, GpuSpec, LinkSpec, get_gpu, get_link
-from splitserve_operator.sim.metrics import Percentiles, PoolObservation, SimResult, Window
-from splitserve_operator.sim.model_spec import ModelSpec, known_models, load_model_spec
-from splitserve_operator.sim.simulator import Simulator
-from splitserve_operator.sim.traces import load_azure, load_mooncake, load_trace
-from splitserve_operator.sim.workload import Request, Workload, parse_length, poisson
-
-__all__ = [
-    "GPUS",
-    "LINKS",
-    "ConfigError",
-    "CostModel",
-    "GpuSpec",
-    "LinkSpec",
-    "LocalPrefill",
-    "MeasuredCost",
-    "Mode",
-    "ModelSpec",
-    "Percentiles",
-    "PoolConfig",
-    "PoolObservation",
-    "Request",
-    "Role",
-    "RooflineCost",
-    "SimConfig",
-    "SimResult",
-    "Simulator",
-    "Slo",
-    "Window",
-    "Workload",
-    "exposed_transfer_s",
-    "get_gpu",
-    "get_link",
-    "known_models",
-    "load_azure",
-    "load_model_spec",
-    "load_mooncake",
-    "load_trace",
-    "parse_length",
-    "pick_tp",
-    "poisson",
-    "roofline_config",
-    "roofline_pool",
-    "transfer_end",
-]
