@@ -24,7 +24,7 @@ from splitserve_worker.engine.model_runner import Chunk, ModelRunner, model_shap
 from splitserve_worker.engine.prefix_cache import KVCacheEvent
 from splitserve_worker.engine.remote_kv import RemoteAdmission
 from splitserve_worker.engine.requests import RequestLimits, RequestTable
-from splitserve_worker.engine.sampling import TopLogprobs, sample, top_logprobs
+from splitserve_worker.engine.sampling import TopLogprobs, sample
 from splitserve_worker.engine.scheduler import Scheduler, StepPlan
 from splitserve_worker.engine.sequence import (
     FinishReason,
@@ -192,10 +192,16 @@ class Engine:
         if not sampling_seqs:
             return []
         rows = [q.sample_row(self.stopper.suppressed(q)) for q in sampling_seqs]
-        tokens, logprobs = sample(logits, rows)
-        tops = top_logprobs(logits, rows)
+        try:
+            picked = sample(logits, rows)
+        except FORWARD_ERRORS as e:
+            return [
+                self.requests.finish(q, FinishReason.ERROR, error=f"sampling failed: {e}")
+                for q in sampling_seqs
+            ]
         outputs = []
-        for seq, tok, lp, top in zip(sampling_seqs, tokens, logprobs, tops, strict=True):
+        for seq, tok, lp, top in zip(sampling_seqs, picked.tokens, picked.logprobs, picked.top,
+                                     strict=True):  # fmt: skip
             outputs.append(self._append(seq, tok, lp, top))
         return outputs
 
