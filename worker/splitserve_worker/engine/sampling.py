@@ -183,30 +183,33 @@ def penalize(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
 
 
 def _sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    """Tokens drawn for rows ``[S, V]`` that sample (none greedy)."""
+    """Tokens drawn for rows ``[S, V]`` that sample (none greedy). With top-p in the batch
+    the rows are sorted once (top-k, min-p and top-p then read the sorted order) and the
+    draw picks a sorted position; without it nothing is sorted."""
     dev = logits.device
     s, vocab = logits.shape
     params = [r.params for r in rows]
     scaled = logits / _floats([p.temperature for p in params], dev)[:, None]
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    if any(ks):
-        top = torch.topk(scaled, max(ks), dim=-1).values
-        k = torch.tensor([max(k, 1) - 1 for k in ks], dtype=torch.long, device=dev)
-        kth = top.gather(1, k[:, None])
-        has = torch.tensor([k > 0 for k in ks], device=dev)[:, None]
-        scaled = scaled.masked_fill(has & (scaled < kth), -math.inf)
+    k = torch.tensor([max(k, 1) - 1 for k in ks], dtype=torch.long, device=dev)[:, None]
+    has_k = torch.tensor([k > 0 for k in ks], device=dev)[:, None]
+    order: torch.Tensor | None = None
+    if any(p.top_p < 1.0 for p in params):
+        scaled, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+        if any(ks):  # keep what reaches the k-th largest (ties with it included)
+            scaled = scaled.masked_fill(has_k & (scaled < scaled.gather(1, k)), -math.inf)
+    elif any(ks):
+        kth = torch.topk(scaled, max(ks), dim=-1).values.gather(1, k)
+        scaled = scaled.masked_fill(has_k & (scaled < kth), -math.inf)
     probs = torch.softmax(scaled, dim=-1)
     if any(p.min_p > 0.0 for p in params):
         min_p = _floats([p.min_p for p in params], dev)[:, None]
         kept = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         probs = torch.where(min_p > 0, kept / kept.sum(dim=-1, keepdim=True), probs)
-    if any(p.top_p < 1.0 for p in params):
+    if order is not None:
         top_p = _floats([p.top_p for p in params], dev)[:, None]
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        cum = torch.cumsum(sorted_probs, dim=-1)
         # keep a token while the mass before it is below top_p (the first is always kept)
-        drop_sorted = ((cum - sorted_probs) >= top_p) & (top_p < 1.0)
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        drop = ((torch.cumsum(probs, dim=-1) - probs) >= top_p) & (top_p < 1.0)
         probs = probs.masked_fill(drop, 0.0)
     noise = torch.empty_like(probs)
     seeded = [j for j, r in enumerate(rows) if r.generator is not None]
@@ -219,7 +222,10 @@ def _sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tenso
             noise.exponential_(1.0)
     for j in seeded:  # its own generator, one draw per vocabulary entry, as if alone
         noise[j].exponential_(1.0, generator=rows[j].generator)
-    return torch.argmax(probs / noise, dim=-1)
+    picked = torch.argmax(probs / noise, dim=-1)
+    if order is None:
+        return picked
+    return order.gather(1, picked[:, None])[:, 0]
 
 
 def _index(
