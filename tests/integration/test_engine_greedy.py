@@ -204,3 +204,26 @@ def test_long_and_short_contexts_decode_together(tiny: LoadedModel, backend: str
     got = _run(engine, prompts)
     assert [got[f"r{i}"] for i in range(len(prompts))] == want
     assert engine.kv.free_blocks == engine.kv.total_blocks
+
+
+@pytest.mark.parametrize("backend", paged_params())
+def test_a_capture_that_fails_leaves_decode_running_eagerly(
+    tiny: LoadedModel, reference: list[list[int]], backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If a bucket's CUDA graph cannot be captured, its step and every later one run
+    eagerly from the same buffers (the tokens stay right) and the reason is kept."""
+    cfg = EngineConfig(num_blocks=400, enable_prefix_cache=False, attention_backend=backend,
+                       static_decode=True)  # fmt: skip
+    engine = Engine(tiny, cfg)
+    graphs = engine.decode_graphs
+    assert graphs is not None
+
+    def capture_fails(bucket: object) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "capture", True)  # as on CUDA, where capture is attempted
+    monkeypatch.setattr(graphs, "_capture", capture_fails)
+    got = _run(engine, _prompts()[:8])
+    assert [got[f"r{i}"] for i in range(8)] == reference[:8]
+    assert not graphs.capture and "not permitted" in (graphs.stats.capture_failed or "")
+    assert graphs.stats.captures == 0 and graphs.stats.eager_runs >= MAX_NEW - 1

@@ -196,7 +196,7 @@ async def serve(config: WorkerConfig) -> int:
 def run(args: argparse.Namespace) -> int:
     # the engine says at start what runs (attention backend, CUDA graphs, matmuls)
     logging.basicConfig(level=logging.WARNING, format="[splitserve] %(message)s")
-    logging.getLogger("splitserve_worker.engine.engine").setLevel(logging.INFO)
+    logging.getLogger("splitserve_worker.engine").setLevel(logging.INFO)
     if args.parent_pid is not None:
         die_with_parent(args.parent_pid)
     try:

@@ -15,6 +15,8 @@ the CPU checks this bookkeeping.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +26,8 @@ import torch
 from splitserve_worker.engine.attention.base import Span
 from splitserve_worker.engine.attention.buckets import bucket_for
 from splitserve_worker.engine.model_runner import Chunk, ModelRunner, StepPlan
+
+log = logging.getLogger(__name__)
 
 WARMUP_RUNS = 2
 """Eager runs of a bucket before its capture: the first compiles and allocates, the second
@@ -64,6 +68,8 @@ class Bucket:
 class GraphStats:
     captures: int = 0
     replays: int = 0
+    capture_failed: str | None = None
+    """Why capturing stopped (steps then run eagerly from the same buffers)."""
     eager_runs: int = 0
     padding_rows: int = 0
     """Rows run only to fill a bucket, over all steps."""
@@ -118,7 +124,16 @@ class DecodeGraphs:
             self.stats.eager_runs += 1
             return self.runner.run(bucket.plan)[:n]
         if bucket.graph is None:
-            self._capture(bucket)
+            try:
+                self._capture(bucket)
+            except RuntimeError as e:  # run eagerly from here on, and say why
+                self.capture = False
+                self.stats.capture_failed = f"{type(e).__name__}: {e}"
+                log.warning("CUDA graph capture of batch bucket %d failed (%s); decode steps "
+                            "run eagerly from now on", size, e)  # fmt: skip
+                bucket.graph = None
+                self.stats.eager_runs += 1
+                return self.runner.run(bucket.plan)[:n]
         else:
             bucket.graph.replay()
             self.stats.replays += 1
@@ -155,7 +170,9 @@ class DecodeGraphs:
 
     def _capture(self, bucket: Bucket) -> None:
         """Warm ``bucket`` up, capture its forward, and replay it once (a capture records
-        the work without doing it)."""
+        the work without doing it). Other threads (KV receivers) may use the GPU
+        meanwhile: only this thread's calls are checked against the capture."""
+        t0 = time.monotonic()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -163,8 +180,10 @@ class DecodeGraphs:
                 self.runner.run(bucket.plan)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             bucket.logits = self.runner.run(bucket.plan)
         bucket.graph = graph
         graph.replay()
         self.stats.captures += 1
+        log.info("captured the decode step of batch bucket %d in %.1f s", bucket.batch,
+                 time.monotonic() - t0)  # fmt: skip
