@@ -50,3 +50,9 @@ def test_a_router_setting_that_is_not_one(tiny_model_path: Path) -> None:
     said(splitserve(*base, "--set", "queues.max_wait=1"), 2,
          "unknown setting(s) ['max_wait'] in queues;")  # fmt: skip
     said(splitserve(*base, "--set", "timeouts.request_s=-1"), 2, "timeouts.request_s must be > 0")
+
+
+def test_an_attention_backend_that_cannot_run_here(tiny_model_path: Path) -> None:
+    p = splitserve("worker", "--role", "both", "--model", str(tiny_model_path),
+                   "--attention-backend", "flashinfer", "--threads", "1")  # fmt: skip
+    said(p, 2, "attention backend flashinfer: flashinfer runs on CUDA only")

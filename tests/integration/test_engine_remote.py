@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from attention_backends import backend_params
 from splitserve.sampling import SamplingParams
 from splitserve_worker.engine.config import EngineConfig
 from splitserve_worker.engine.engine import Engine
@@ -55,13 +56,17 @@ def _disaggregated(
     return toks, layers
 
 
+@pytest.mark.parametrize("backend", backend_params())
 @pytest.mark.parametrize("n", [1, 7, 16, 40, 130])
-def test_disaggregated_greedy_equals_colocated(tiny: LoadedModel, n: int) -> None:
+def test_disaggregated_greedy_equals_colocated(tiny: LoadedModel, n: int, backend: str) -> None:
+    """Prefilled layer by layer on one engine, admitted and decoded on another, each with
+    ``backend``: the tokens of one sdpa engine doing both."""
     prompt = [random.Random(n).randrange(3, 256) for _ in range(n)]
     sp = SamplingParams(max_tokens=10)
-    both = Engine(tiny, EngineConfig(num_blocks=64))
-    pre = Engine(tiny, EngineConfig(num_blocks=64, role="prefill", max_batch_tokens=64))
-    dec = Engine(tiny, EngineConfig(num_blocks=64, role="decode"))
+    both = Engine(tiny, EngineConfig(num_blocks=64, attention_backend="sdpa"))
+    pre = Engine(tiny, EngineConfig(num_blocks=64, role="prefill", max_batch_tokens=64,
+                                    attention_backend=backend))  # fmt: skip
+    dec = Engine(tiny, EngineConfig(num_blocks=64, role="decode", attention_backend=backend))
     want = _colocated(both, "a", prompt, sp)
     got, layers = _disaggregated(pre, dec, "a", prompt, sp)
     assert got == want

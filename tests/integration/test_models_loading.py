@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -31,6 +32,27 @@ def test_bf16_checkpoint_stays_bf16_unless_asked(tiny_model_path_bf16: Path) -> 
     lm = load_model(str(tiny_model_path_bf16), dtype="float32")
     assert lm.dtype == torch.float32
     assert next(lm.model.parameters()).dtype == torch.float32
+
+
+def test_weights_are_made_on_their_device_not_moved_there(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU worker must not hold the whole model in host memory on its way to the GPU:
+    the loader builds each weight on the device asked for and never moves a built model.
+    On the meta device (where nothing is read into memory) that shows without a GPU."""
+    moved: list[str] = []
+    to = torch.nn.Module.to
+
+    def recorded(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        moved.append(f"{type(self).__name__}.to{args}")
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to", recorded)
+    lm = load_model(str(tiny_model_path), device="meta")
+    assert {p.device.type for p in lm.model.parameters()} == {"meta"} and lm.device == "meta"
+    lm = load_model(str(tiny_model_path), device="cpu")
+    assert {p.device.type for p in lm.model.parameters()} == {"cpu"}
+    assert moved == []
 
 
 def test_bad_dtype_is_explained(tiny_model_path: Path) -> None:

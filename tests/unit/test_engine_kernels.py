@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
+from splitserve_worker.engine.attention.sdpa import PAD_LIMIT, SPLIT_MIN_CTX, decode_groups
 from splitserve_worker.engine.linear import MIN_ROWS, PackedLinear, prepack_available
-from splitserve_worker.engine.model_runner import PAD_LIMIT, SPLIT_MIN_CTX, decode_groups
 
 pytestmark = pytest.mark.unit
 

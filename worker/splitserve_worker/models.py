@@ -216,7 +216,10 @@ class LoadedModel:
 
 
 def load_model(name_or_path: str, dtype: str = "auto", device: str | None = None) -> LoadedModel:
-    """Load weights, config and tokenizer from the built-in name or a checkpoint folder."""
+    """Load weights, config and tokenizer from the built-in name or a checkpoint folder.
+
+    The weights are created on ``device`` and read into it one tensor at a time (a GPU
+    worker never holds the whole model in host memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model(name_or_path)
@@ -224,10 +227,10 @@ def load_model(name_or_path: str, dtype: str = "auto", device: str | None = None
     ckpt_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     dt = torch_dtype(dtype, ckpt_dtype)
     dev = pick_device(device)
+    # straight onto the device, tensor by tensor: no whole copy in host memory first
     model: Any = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=dt, attn_implementation="sdpa"
+        str(path), dtype=dt, attn_implementation="sdpa", device_map=dev
     )
-    model.to(dev)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     name = BUILTIN_MODEL if is_builtin(name_or_path) else path.name

@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import logging
 import os
 import signal
 import sys
 
+from splitserve_worker.engine.config import ATTENTION_BACKENDS
 from splitserve_worker.kv.faults import FaultConfig
 from splitserve_worker.kv.tcp_tls import TlsConfig, TlsError
 from splitserve_worker.server.auth import TOKEN_ENV, TokenError, load_token
@@ -103,6 +105,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="share of the GPU memory left after the weights that the KV pool takes "
         "(unless --kv-cache-memory or --num-blocks)",
     )
+    p.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="how attention reads the KV pool (auto: flex on CUDA, sdpa on the CPU)",
+    )
+    p.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="run decode steps eagerly on CUDA instead of replaying captured CUDA graphs",
+    )
     p.add_argument("--checksums", action="store_true", help="crc32 every pushed KV layer")
     p.add_argument(
         "--kv-streams",
@@ -170,6 +184,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         gpu_memory_fraction=args.gpu_memory_fraction,
         drain_seconds=args.drain_seconds,
         faults=FaultConfig.from_env(),
+        attention_backend=args.attention_backend,
+        cuda_graphs=args.cuda_graphs,
     )
 
 
@@ -199,6 +215,9 @@ async def serve(config: WorkerConfig) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the engine says at start what runs (attention backend, CUDA graphs, matmuls)
+    logging.basicConfig(level=logging.WARNING, format="[splitserve] %(message)s")
+    logging.getLogger("splitserve_worker.engine").setLevel(logging.INFO)
     if args.parent_pid is not None:
         die_with_parent(args.parent_pid)
     try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ROLES = ("both", "prefill", "decode")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "flashinfer")
+"""``auto`` picks the best one available (:mod:`.attention.registry`)."""
 
 
 @dataclass
@@ -59,6 +61,21 @@ class EngineConfig:
     q/k/v and gate/up fused: decode steps run about twice as fast, for one more copy of
     the weights in memory. Ignored elsewhere."""
 
+    attention_backend: str = "auto"
+    """How attention reads the KV pool: ``sdpa`` (gather + SDPA, every device), ``flex``
+    (FlexAttention over the pool in place; compiles per batch bucket), ``flashinfer``
+    (CUDA, half precision, when installed), or ``auto``: flex on CUDA, sdpa on the CPU."""
+
+    cuda_graphs: bool = True
+    """On CUDA with a paged attention backend (flex), capture each decode batch-size
+    bucket's forward once as a CUDA graph and replay it (one launch per step instead of
+    hundreds). Ignored elsewhere."""
+
+    static_decode: bool = False
+    """Run decode steps from the per-bucket static buffers even without CUDA graphs: what
+    a replay runs, eagerly (how the CPU checks the graph path's bookkeeping; it pads each
+    step to its bucket). Needs a paged attention backend."""
+
     role: str = "both"
     """``both``, ``prefill`` or ``decode``: the label on this engine's metrics."""
 
@@ -98,6 +115,11 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
         if self.max_events < 1:
             raise ValueError(f"max_events must be >= 1, got {self.max_events}")
 

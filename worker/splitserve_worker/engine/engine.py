@@ -7,6 +7,7 @@ given the table, the scheduler and the model runner it works on."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,15 +18,24 @@ from splitserve.prefix_hash import block_hashes
 from splitserve.sampling import SamplingParams
 
 from splitserve_worker.engine import identity
+from splitserve_worker.engine.attention.buckets import batch_buckets
+from splitserve_worker.engine.attention.registry import select
 from splitserve_worker.engine.config import EngineConfig
+from splitserve_worker.engine.decode_graphs import DecodeGraphs
 from splitserve_worker.engine.kv_cache import KVCache, bytes_per_block
 from splitserve_worker.engine.layerwise import LayerCallback, LayerwisePrefill
 from splitserve_worker.engine.metrics import EngineMetrics
-from splitserve_worker.engine.model_runner import Chunk, ModelRunner, model_shape
+from splitserve_worker.engine.model_runner import (
+    Chunk,
+    ModelRunner,
+    attention_scale,
+    attention_shape,
+    model_shape,
+)
 from splitserve_worker.engine.prefix_cache import KVCacheEvent
 from splitserve_worker.engine.remote_kv import RemoteAdmission
 from splitserve_worker.engine.requests import RequestLimits, RequestTable
-from splitserve_worker.engine.sampling import TopLogprobs, sample, top_logprobs
+from splitserve_worker.engine.sampling import TopLogprobs, sample
 from splitserve_worker.engine.scheduler import Scheduler, StepPlan
 from splitserve_worker.engine.sequence import (
     FinishReason,
@@ -39,6 +49,8 @@ from splitserve_worker.models import LoadedModel, torch_dtype
 
 FORWARD_ERRORS = (RuntimeError, ValueError, IndexError)
 """Errors of a model forward that fail the requests in that batch, not the engine."""
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -71,6 +83,7 @@ class Engine:
         num_blocks = config.num_blocks or max(
             1, identity.kv_budget_bytes(config, device) // per_block
         )
+        static = config.static_decode or (device.type == "cuda" and config.cuda_graphs)
         self.kv = KVCache(
             num_layers=shape.num_layers,
             num_blocks=num_blocks,
@@ -80,8 +93,22 @@ class Engine:
             dtype=dtype,
             device=device,
             max_events=config.max_events,
+            scratch_blocks=1 if static else 0,
         )
-        self.runner = ModelRunner(model, self.kv, prepack=config.cpu_prepack)
+        ashape = attention_shape(shape, self.kv, attention_scale(model))
+        selected = select(
+            config.attention_backend, ashape, config.max_num_seqs, self.kv.layer_blocks(0)
+        )
+        self.attention = selected.backend
+        self.runner = ModelRunner(model, self.kv, selected.backend, prepack=config.cpu_prepack)
+        self.decode_graphs: DecodeGraphs | None = None
+        """Decode steps from static buffers (CUDA graphs on CUDA), when they run here."""
+        if static and selected.backend.static_decode:
+            capture = device.type == "cuda" and config.cuda_graphs
+            buckets = batch_buckets(config.max_num_seqs)
+            self.decode_graphs = DecodeGraphs(self.runner, buckets, capture=capture)
+        log.info("engine on %s (%s): %s", device, str(dtype).removeprefix("torch."),
+                 self.describe(selected.why))  # fmt: skip
         self.max_model_len = identity.max_model_len(model.config, config.max_model_len)
         self.stopper = StopChecker(identity.eos_ids(model), loaded.tokenizer, self.max_model_len)
         self.scheduler = Scheduler(config, self.kv.blocks)
@@ -97,6 +124,20 @@ class Engine:
             self.requests, self.scheduler, self.runner, self.stopper, config
         )
         self.requests.update_gauges()
+
+    def describe(self, why: str = "") -> str:
+        """What runs: the attention backend, how decode steps run, the matmuls."""
+        graphs = self.decode_graphs
+        if graphs is None:
+            decode = "decode eager"
+        else:
+            sizes = ",".join(str(b) for b in graphs.buckets)
+            kind = "CUDA graphs" if graphs.capture else "static buffers"
+            decode = f"decode from {kind} per batch bucket ({sizes})"
+        matmuls = "oneDNN prepacked" if self.runner.prepacked else "fused"
+        reason = f" ({why})" if why else ""
+        return (f"attention {self.attention.name}{reason}, {decode}, "
+                f"q/k/v and gate/up {matmuls}")  # fmt: skip
 
     # ---- identity ----
     def compat_info(self) -> dict[str, Any]:
@@ -176,7 +217,11 @@ class Engine:
             for s in plan.scheduled
         ]
         try:
-            logits = self.runner.forward(chunks)
+            graphs = self.decode_graphs
+            if graphs is not None and graphs.takes(chunks):
+                logits = graphs.forward(chunks)
+            else:
+                logits = self.runner.forward(chunks)
         except FORWARD_ERRORS as e:
             out = []
             for s in plan.scheduled:
@@ -193,10 +238,16 @@ class Engine:
         if not sampling_seqs:
             return []
         rows = [q.sample_row(self.stopper.suppressed(q)) for q in sampling_seqs]
-        tokens, logprobs = sample(logits, rows)
-        tops = top_logprobs(logits, rows)
+        try:
+            picked = sample(logits, rows)
+        except FORWARD_ERRORS as e:
+            return [
+                self.requests.finish(q, FinishReason.ERROR, error=f"sampling failed: {e}")
+                for q in sampling_seqs
+            ]
         outputs = []
-        for seq, tok, lp, top in zip(sampling_seqs, tokens, logprobs, tops, strict=True):
+        for seq, tok, lp, top in zip(sampling_seqs, picked.tokens, picked.logprobs, picked.top,
+                                     strict=True):  # fmt: skip
             outputs.append(self._append(seq, tok, lp, top))
         return outputs
 

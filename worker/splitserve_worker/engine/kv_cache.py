@@ -5,6 +5,10 @@ num_kv_heads, head_dim]`` (index 0 of the second axis holds K, 1 holds V), conti
 one (layer, K|V, block) slice is one contiguous run of ``block_size * kv_heads * head_dim``
 elements. A token at position ``p`` of a sequence lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``.
+
+With ``scratch_blocks`` the pool holds that many more blocks past the allocator's: padding
+rows of a decode step run from static buffers (:mod:`.decode_graphs`) write their K/V
+there, where no sequence reads.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         max_events: int = 100_000,
+        scratch_blocks: int = 0,
     ) -> None:
         self.num_layers = num_layers
         self.block_size = block_size
@@ -48,12 +53,14 @@ class KVCache:
         self.device = torch.device(device)
         # zeros, not empty: padded attention reads of unused slots must be finite
         self.pool = torch.zeros(
-            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
+            (num_layers, 2, num_blocks + scratch_blocks, block_size, num_kv_heads, head_dim),
             dtype=dtype,
             device=self.device,
         )
         self.blocks = BlockPool(num_blocks, max_events=max_events)
-        slots = num_blocks * block_size
+        self.scratch_slot: int | None = num_blocks * block_size if scratch_blocks else None
+        """A slot no sequence reads (in the first scratch block), when there is one."""
+        slots = (num_blocks + scratch_blocks) * block_size
         self._flat = [
             (
                 self.pool[i, 0].view(slots, num_kv_heads, head_dim),

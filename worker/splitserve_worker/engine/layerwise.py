@@ -14,7 +14,7 @@ from splitserve_worker.engine.errors import NoCapacity
 from splitserve_worker.engine.metrics import EngineMetrics
 from splitserve_worker.engine.model_runner import Chunk, ModelRunner
 from splitserve_worker.engine.requests import RequestTable
-from splitserve_worker.engine.sampling import sample, top_logprobs
+from splitserve_worker.engine.sampling import sample
 from splitserve_worker.engine.scheduler import Scheduler, blocks_for
 from splitserve_worker.engine.sequence import PrefillResult, SeqStatus, Sequence
 from splitserve_worker.engine.stopping import StopChecker
@@ -84,14 +84,13 @@ class LayerwisePrefill:
             logits = self._forward(seq, on_layer)
             scheduler.commit(seq, 0, cache=self.config.enable_prefix_cache)
             rows = [seq.sample_row(self.stopper.suppressed(seq))]
-            tokens, logprobs = sample(logits, rows)
-            tops = top_logprobs(logits, rows)
+            picked = sample(logits, rows)
         finally:
             scheduler.free_blocks_of(seq)
             seq.status = SeqStatus.FINISHED
             self.requests.update_gauges()
-        return PrefillResult(tokens[0], logprobs[0], seq.num_cached_tokens, len(prompt),
-                             tops[0], seq.prompt_logprobs)  # fmt: skip
+        return PrefillResult(picked.tokens[0], picked.logprobs[0], seq.num_cached_tokens,
+                             len(prompt), picked.top[0], seq.prompt_logprobs)  # fmt: skip
 
     def _forward(self, seq: Sequence, on_layer: LayerCallback) -> torch.Tensor:
         """Run a prompt's chunks, calling ``on_layer`` after each layer of each chunk."""

@@ -1,10 +1,15 @@
-"""The matmuls of one decoder layer, plainly through the model's modules or prepacked.
+"""The matmuls of one decoder layer: q/k/v fused into one matmul and the MLP's gate/up
+into another, on every device.
+
+:class:`FusedLayer` (CUDA, and the CPU outside float32) concatenates those weights once
+and points the model's own ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj``
+weights at slices of the result: no second copy of the weights, and the model's modules
+still compute what they did (they still serve anything else that uses the model).
 
 On the CPU in float32, oneDNN runs a linear layer much faster from weights reordered once
 into its own blocked layout than from the row-major ``nn.Linear`` weight, above all for
-the few-row inputs of decode steps. :class:`PackedLayer` keeps such a copy, with the q/k/v
-projections fused into one matmul and the MLP's gate/up into another; the model's own
-modules are left untouched (they still serve anything else that uses the model).
+the few-row inputs of decode steps. :class:`PackedLayer` keeps such a copy, fused the same
+way; the model's own modules are left untouched.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 
 
 class LayerMatmuls(Protocol):
@@ -20,21 +26,61 @@ class LayerMatmuls(Protocol):
     def mlp(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
-class ModuleLayer:
-    """Calls the layer's own ``nn.Linear`` modules and MLP."""
+def fuse_linears(linears: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) holding ``linears``' rows in order; each module's own weight
+    (and bias) becomes a view of it, so the model holds one copy of them."""
+    with torch.no_grad():
+        weight = torch.cat([m.weight.detach() for m in linears])
+        bias = None
+        if any(m.bias is not None for m in linears):
+            bias = torch.cat([
+                m.bias.detach() if m.bias is not None
+                else torch.zeros(int(m.weight.shape[0]), dtype=weight.dtype, device=weight.device)
+                for m in linears
+            ])  # fmt: skip
+        lo = 0
+        for m in linears:
+            n = int(m.weight.shape[0])
+            m.weight = torch.nn.Parameter(weight[lo : lo + n], requires_grad=False)
+            if m.bias is not None and bias is not None:
+                m.bias = torch.nn.Parameter(bias[lo : lo + n], requires_grad=False)
+            lo += n
+    return weight, bias
+
+
+class FusedLayer:
+    """q/k/v and gate/up each one matmul, from weights shared with the model."""
 
     def __init__(self, layer: Any) -> None:
-        self.attn = layer.self_attn
-        self._mlp = layer.mlp
+        a = layer.self_attn
+        projs = [a.q_proj, a.k_proj, a.v_proj]
+        self._split = [int(p.weight.shape[0]) for p in projs]
+        self._qkv_w, self._qkv_b = fuse_linears(projs)
+        self._o = a.o_proj
+        m = layer.mlp
+        self._plain_mlp = m
+        self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        if all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            self._inter = int(m.gate_proj.weight.shape[0])
+            self._gate_up = fuse_linears([m.gate_proj, m.up_proj])
+            self._down = m.down_proj
+            self._act = m.act_fn
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.attn.q_proj(x), self.attn.k_proj(x), self.attn.v_proj(x)
+        q, k, v = F.linear(x, self._qkv_w, self._qkv_b).split(self._split, dim=-1)
+        return q, k, v
 
     def o(self, x: torch.Tensor) -> torch.Tensor:
-        return self.attn.o_proj(x)
+        out: torch.Tensor = self._o(x)
+        return out
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self._mlp(x)
+        if self._gate_up is None:
+            plain: torch.Tensor = self._plain_mlp(x)
+            return plain
+        gate, up = F.linear(x, *self._gate_up).split([self._inter, self._inter], dim=-1)
+        out: torch.Tensor = self._down(self._act(gate) * up)
+        return out
 
 
 def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:

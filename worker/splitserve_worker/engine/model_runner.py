@@ -5,8 +5,13 @@ layer input norm, q/k/v projections (q/k norms where the model has them), the mo
 own rotary embedding, K/V written into the pool, attention reading K/V through block
 tables, o_proj, residual, post-attention norm, MLP; then the final norm and lm_head
 for the rows that need logits. Many sequences share one forward: their new tokens are
-flattened into one ``[T, hidden]`` batch for every matmul; attention runs once for all
-single-token (decode) rows and once per multi-token (prefill) chunk.
+flattened into one ``[T, hidden]`` batch for every matmul; attention is the engine's
+:mod:`attention backend <splitserve_worker.engine.attention>`'s, planned once per forward.
+
+A forward is two halves: :meth:`ModelRunner.plan` (host work: index tensors and the
+attention plan) and :meth:`ModelRunner.run` (device work only, no host sync unless prompt
+scores are asked for), so a decode step's ``run`` can be captured in a CUDA graph over a
+plan whose tensors stay put (:mod:`.decode_graphs`).
 """
 
 from __future__ import annotations
@@ -17,12 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from splitserve_worker.engine.attention.base import AttentionBackend, AttentionShape, Span
 from splitserve_worker.engine.kv_cache import KVCache
 from splitserve_worker.engine.linear import (
+    FusedLayer,
     LayerMatmuls,
-    ModuleLayer,
     PackedLayer,
     packed_head,
     prepack_available,
@@ -75,7 +80,9 @@ def model_shape(config: Any) -> ModelShape:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, kv: KVCache, *, prepack: bool = False) -> None:
+    def __init__(
+        self, model: Any, kv: KVCache, attention: AttentionBackend, *, prepack: bool = False
+    ) -> None:
         inner = getattr(model, "model", None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
         if inner is None or not all(hasattr(inner, n) for n in needed):
@@ -100,9 +107,9 @@ class ModelRunner:
         if rope is None:
             raise UnsupportedModel(f"{type(attn0).__module__} has no apply_rotary_pos_emb")
         self.apply_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rope
-        self.scaling = float(getattr(attn0, "scaling", self.shape.head_dim**-0.5))
         self.kv = kv
         self.device = kv.device
+        self.attention = attention
         self.prepacked = prepack and prepack_available(kv.device, kv.dtype)
         self.matmuls: list[LayerMatmuls]
         self.head: Callable[[torch.Tensor], torch.Tensor]
@@ -111,10 +118,9 @@ class ModelRunner:
                 self.matmuls = [PackedLayer(layer, PACK_HINT) for layer in self.layers]
                 self.head = packed_head(self.lm_head, PACK_HINT)
         else:
-            self.matmuls = [ModuleLayer(layer) for layer in self.layers]
+            self.matmuls = [FusedLayer(layer) for layer in self.layers]
             self.head = self.lm_head
 
-    @torch.inference_mode()
     def forward(
         self, chunks: Sequence[Chunk], after_layer: Callable[[int], None] | None = None
     ) -> torch.Tensor:
@@ -125,11 +131,20 @@ class ModelRunner:
         ``after_layer(i)`` is called once layer ``i``'s K/V are in the pool, before layer
         ``i + 1`` runs.
         """
-        plan = _Plan.build(chunks, self.kv.block_size, self.device)
+        return self.run(self.plan(chunks), after_layer)
+
+    def plan(self, chunks: Sequence[Chunk]) -> StepPlan:
+        """The index tensors and attention plan of one forward of ``chunks``."""
+        return StepPlan.build(chunks, self.kv.block_size, self.device, self.attention)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """The forward of a :meth:`plan`: logits ``[logit rows, vocab]``, float32."""
         h = self.embed(plan.input_ids)
         cos, sin = self.rotary(h, plan.positions.unsqueeze(0))
         cos, sin = cos[0], sin[0]
         hd = self.shape.head_dim
+        attention = self.attention
         for i, (layer, mm) in enumerate(zip(self.layers, self.matmuls, strict=True)):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
@@ -143,7 +158,8 @@ class ModelRunner:
                 k = attn.k_norm(k)
             q, k = self.apply_rope(q, k, cos, sin, unsqueeze_dim=1)
             self.kv.write(i, plan.slots, k, v)
-            o = self._attention(i, plan, q, k, v)
+            kb, vb = self.kv.layer_blocks(i)
+            o = attention.attend(plan.attention, q, k, v, kb, vb)
             h = h + mm.o(o.reshape(t, -1))
             h = h + mm.mlp(layer.post_attention_layernorm(h))
             if after_layer is not None:
@@ -155,150 +171,49 @@ class ModelRunner:
         last = self.norm(h.index_select(0, plan.logit_rows))
         return self.head(last).float()
 
-    def _attention(
-        self, layer: int, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        kb, vb = self.kv.layer_blocks(layer)
-        if plan.decode is not None and not plan.prefills:
-            return self._decode_attention(plan.decode, q, kb, vb)
-        out = torch.empty_like(q)
-        if plan.decode is not None:
-            rows = plan.decode.rows
-            out[rows] = self._decode_attention(plan.decode, q[rows], kb, vb)
-        for p in plan.prefills:
-            qp = q[p.lo : p.hi].transpose(0, 1).unsqueeze(0)
-            if p.blocks is None:
-                kp = k[p.lo : p.hi].transpose(0, 1).unsqueeze(0)
-                vp = v[p.lo : p.hi].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(
-                    qp, kp, vp, is_causal=True, scale=self.scaling, enable_gqa=True
-                )
-            else:
-                kp = _gather(kb, p.blocks, p.ctx).unsqueeze(0)
-                vp = _gather(vb, p.blocks, p.ctx).unsqueeze(0)
-                o = F.scaled_dot_product_attention(
-                    qp, kp, vp, attn_mask=p.mask, scale=self.scaling, enable_gqa=True
-                )
-            out[p.lo : p.hi] = o[0].transpose(0, 1)
-        return out
 
-    def _decode_attention(
-        self, d: _Decode, q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor
-    ) -> torch.Tensor:
-        if len(d.groups) == 1:
-            return self._group_attention(d.groups[0], q, kb, vb)
-        out = torch.empty_like(q)
-        for g in d.groups:
-            assert g.index is not None
-            out.index_copy_(0, g.index, self._group_attention(g, q.index_select(0, g.index),
-                                                              kb, vb))  # fmt: skip
-        return out
-
-    def _group_attention(
-        self, g: _DecodeGroup, q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor
-    ) -> torch.Tensor:
-        kd = _gather(kb, g.tables, g.lmax)
-        vd = _gather(vb, g.tables, g.lmax)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), kd, vd, attn_mask=g.mask, scale=self.scaling, enable_gqa=True
-        )
-        return o.squeeze(2)
+def attention_shape(shape: ModelShape, kv: KVCache, scale: float) -> AttentionShape:
+    """What the attention backends of a model over ``kv`` are built for."""
+    return AttentionShape(
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        block_size=kv.block_size,
+        num_blocks=int(kv.pool.shape[2]),
+        scale=scale,
+        dtype=kv.dtype,
+        device=kv.device,
+    )
 
 
-def _gather(blocks: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
-    """K or V of whole blocks ``tables`` (``[nblk]`` or ``[B, nblk]``) of one layer's
-    ``[num_blocks, block_size, heads, dim]`` pool, cut to ``length`` positions, laid out
-    ``[..., heads, length, dim]`` contiguous (what attention reads fastest)."""
-    _, bs, h, d = blocks.shape
-    g = blocks.index_select(0, tables.reshape(-1))
-    g = g.view(*tables.shape[:-1], tables.shape[-1] * bs, h, d)[..., :length, :, :]
-    return g.transpose(-3, -2).contiguous()
+def attention_scale(model: Any) -> float:
+    """The softmax scale of the model's attention (its own, or ``head_dim ** -0.5``)."""
+    attn0 = model.model.layers[0].self_attn
+    return float(getattr(attn0, "scaling", model_shape(model.config).head_dim ** -0.5))
 
 
 @dataclass
-class _Prefill:
-    lo: int
-    hi: int
-    ctx: int
-    blocks: torch.Tensor | None
-    """Blocks to read K/V from (a chunk after cached or earlier tokens); None: the chunk
-    starts the sequence and attends only to its own fresh K/V."""
-    mask: torch.Tensor | None
-
-
-PAD_LIMIT = 1.25
-"""Decode attention pads every sequence of a group to the group's longest context; a
-group takes the next (shorter) sequence only while the padded work stays within this
-factor of the real work. A short sequence beside a long one gets its own group: padding
-it would cost as much as attending over the long one again (on one core, a decode step of
-SmolLM2-135M with contexts 1024, 1024, 64, 64, 64, 64 took 137-144 ms padded, 76 ms
-grouped)."""
-
-SPLIT_MIN_CTX = 256
-"""Groups whose longest context is shorter than this are never split: their padding
-costs less than another attention call per layer."""
-
-
-@dataclass
-class _DecodeGroup:
-    index: torch.Tensor | None
-    """Positions of the group's sequences in the decode batch; None: all, in order."""
-    tables: torch.Tensor
-    """``[b, nblk]`` block tables, padded with block 0 (masked out)."""
-    lmax: int
-    mask: torch.Tensor
-    """``[b, 1, 1, lmax]``: True where a sequence has context."""
-
-
-@dataclass
-class _Decode:
-    rows: torch.Tensor
-    groups: list[_DecodeGroup]
-
-
-def decode_groups(
-    lens: Sequence[int], pad_limit: float = PAD_LIMIT, split_min: int = SPLIT_MIN_CTX
-) -> list[list[int]]:
-    """Indices of ``lens`` grouped for padded attention, longest first: each group's
-    ``size * longest`` stays within ``pad_limit`` times the sum of its lengths, unless its
-    longest is under ``split_min``."""
-    groups: list[list[int]] = []
-    total = 0
-    for i in sorted(range(len(lens)), key=lambda j: -lens[j]):
-        g = groups[-1] if groups else None
-        if g is not None and (
-            lens[g[0]] < split_min or (len(g) + 1) * lens[g[0]] <= pad_limit * (total + lens[i])
-        ):
-            g.append(i)
-            total += lens[i]
-        else:
-            groups.append([i])
-            total = lens[i]
-    return groups
-
-
-@dataclass
-class _Plan:
+class StepPlan:
     """Index tensors for one forward, shared by every layer."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor
     logit_rows: torch.Tensor
-    decode: _Decode | None
-    prefills: list[_Prefill]
+    attention: Any
+    """The attention backend's plan of this forward."""
     scored: list[tuple[int, ChunkScores]]
     """(first row, what to score) of each chunk that asked for prompt scores."""
 
     @staticmethod
-    def build(chunks: Sequence[Chunk], bs: int, device: torch.device) -> _Plan:
+    def build(
+        chunks: Sequence[Chunk], bs: int, device: torch.device, attention: AttentionBackend
+    ) -> StepPlan:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         logit_rows: list[int] = []
-        decode_rows: list[int] = []
-        decode_chunks: list[Chunk] = []
-        prefills: list[_Prefill] = []
+        spans: list[Span] = []
         scored: list[tuple[int, ChunkScores]] = []
         for c in chunks:
             lo = len(ids)
@@ -312,53 +227,15 @@ class _Plan:
                 logit_rows.append(lo + n - 1)
             if c.scores is not None and c.scores.targets:
                 scored.append((lo, c.scores))
-            if n == 1:
-                decode_rows.append(lo)
-                decode_chunks.append(c)
-            elif c.start == 0:
-                prefills.append(_Prefill(lo, lo + n, end, None, None))
-            else:
-                nblk = (end + bs - 1) // bs
-                blocks = torch.tensor(list(table[:nblk]), dtype=torch.long, device=device)
-                qpos = torch.arange(c.start, end).unsqueeze(1)
-                mask = (torch.arange(end).unsqueeze(0) <= qpos).to(device)
-                prefills.append(_Prefill(lo, lo + n, end, blocks, mask))
-
-        def tensor(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.long, device=device)
-
-        decode: _Decode | None = None
-        if decode_chunks:
-            lens = [c.start + 1 for c in decode_chunks]
-            groups = decode_groups(lens)
-            if len(groups) == 1:  # the whole batch, in its own order
-                parts = [_group(decode_chunks, None, bs, device)]
-            else:
-                parts = [_group([decode_chunks[i] for i in g], tensor(g), bs, device)
-                         for g in groups]  # fmt: skip
-            decode = _Decode(tensor(decode_rows), parts)
-        return _Plan(
-            input_ids=tensor(ids),
-            positions=tensor(pos),
-            slots=tensor(slots),
-            logit_rows=tensor(logit_rows),
-            decode=decode,
-            prefills=prefills,
+            spans.append(Span(lo, lo + n, c.start, table))
+        rows = len(ids)
+        host = torch.tensor([*ids, *pos, *slots, *logit_rows], dtype=torch.long)
+        packed = host.to(device, non_blocking=True)
+        return StepPlan(
+            input_ids=packed[:rows],
+            positions=packed[rows : 2 * rows],
+            slots=packed[2 * rows : 3 * rows],
+            logit_rows=packed[3 * rows :],
+            attention=attention.plan(spans),
             scored=scored,
         )
-
-
-def _group(
-    chunks: Sequence[Chunk], index: torch.Tensor | None, bs: int, device: torch.device
-) -> _DecodeGroup:
-    lens = [c.start + 1 for c in chunks]
-    lmax = max(lens)
-    nblk = (lmax + bs - 1) // bs
-    tables = torch.tensor(
-        [list(c.block_table[:nblk]) + [0] * (nblk - min(nblk, len(c.block_table)))
-         for c in chunks],
-        dtype=torch.long,
-        device=device,
-    )  # fmt: skip
-    m = torch.arange(lmax).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
-    return _DecodeGroup(index, tables, lmax, m[:, None, None, :].to(device))

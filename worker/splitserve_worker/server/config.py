@@ -26,7 +26,7 @@ ENGINE_FLAGS = {
     "num_blocks": "--num-blocks", "max_num_seqs": "--max-num-seqs",
     "max_batch_tokens": "--max-batch-tokens", "prefill_chunk_tokens": "--prefill-chunk-tokens",
     "gpu_memory_fraction": "--gpu-memory-fraction", "num_threads": "--threads",
-    "dtype": "--dtype",
+    "dtype": "--dtype", "attention_backend": "--attention-backend",
 }  # fmt: skip
 """The engine's settings and the worker flags that set them."""
 
@@ -86,6 +86,10 @@ class WorkerConfig:
     faults: FaultConfig = field(default_factory=FaultConfig)
     transfer_timeout_s: float = 120.0
     """Longest a prefill worker waits for the decode side to acknowledge a push."""
+    attention_backend: str = "auto"
+    """``auto``, ``sdpa``, ``flex`` or ``flashinfer`` (see the engine's config)."""
+    cuda_graphs: bool = True
+    """Replay decode steps as CUDA graphs on CUDA (``--no-cuda-graphs`` turns it off)."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -146,4 +150,6 @@ class WorkerConfig:
             device=self.device,
             num_threads=self.threads,
             role=self.role,
+            attention_backend=self.attention_backend,
+            cuda_graphs=self.cuda_graphs,
         )
