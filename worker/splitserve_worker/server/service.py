@@ -8,6 +8,7 @@ and turns known failures into the gRPC status the proto documents.
 from __future__ import annotations
 
 import functools
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -74,6 +75,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.events = events
         self.kv_backends = kv_backends
         self.holds = holds or Holds()
+        self.instance_id = uuid.uuid4().hex
+        """This worker's own id in Health: a worker started again is another one."""
 
     def _decode(self) -> DecodeHandoff:
         if self.handoff is None:
@@ -108,6 +111,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             kv_backends=self.kv_backends,
             leases=len(self.handoff.leases) if self.handoff else 0,
             prefilling=self.prefill.in_progress if self.prefill else 0,
+            instance_id=self.instance_id,
         )
 
     @_unary
