@@ -21,6 +21,7 @@ from splitserve_worker.router import errors, jobs, streaming, tokens
 from splitserve_worker.router.api_key import require_api_key
 from splitserve_worker.router.api_models import ChatCompletionRequest, CompletionRequest
 from splitserve_worker.router.body_limit import BodyLimit
+from splitserve_worker.router.catch_all import CatchAll
 from splitserve_worker.router.failures import RequestFailed
 from splitserve_worker.router.queues import Saturated
 from splitserve_worker.router.request_metrics import RequestMetrics
@@ -49,8 +50,9 @@ def create_app(service: RouterService) -> FastAPI:
     app = FastAPI(title="splitserve router", version="1", lifespan=lifespan)
     errors.install(app)
     app.add_middleware(BodyLimit, limit=service.config.max_request_bytes)
+    app.add_middleware(CatchAll)  # added last: the outermost, it sees what nothing answered
     api_key = Depends(require_api_key(service.config))
-    cfg, tok = service.config, service.tokenizer
+    cfg, tok = service.config, service.tokenizing
     start = streaming.dispatch_start(service.dispatcher)
     record = RequestMetrics(service.metrics)
 
@@ -81,11 +83,11 @@ def create_app(service: RouterService) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=[api_key])
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        return await respond(request, jobs.completion_jobs(body, cfg, tok), body)
+        return await respond(request, await jobs.completion_jobs(body, cfg, tok), body)
 
     @app.post("/v1/chat/completions", dependencies=[api_key])
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        prompt = tokens.chat_prompt(tok, cfg.model_name, body)
+        prompt = await tok.chat(cfg.model_name, body)
         job = jobs.make_job("chat.completion", body, prompt, cfg, tok)
         job.echo = body.echoed()
         return await respond(request, [job], body)

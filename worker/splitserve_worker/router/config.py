@@ -174,6 +174,9 @@ class RouterConfig:
     """KV transport asked of decode workers on Reserve: 'tcp', 'grpc' or 'nixl'."""
     max_retries: int = 2
     """Retries on another worker after a worker failure (each failure counts once)."""
+    tokenizer_threads: int = 2
+    """Threads that tokenize, template and decode off the event loop (the tokenizer
+    releases the interpreter while it works, so they run beside the loop)."""
     prefill_weights: PrefillWeights = field(default_factory=PrefillWeights)
     decode_weights: DecodeWeights = field(default_factory=DecodeWeights)
     queues: QueueConfig = field(default_factory=QueueConfig)
@@ -186,6 +189,7 @@ class RouterConfig:
         _positive("default_max_tokens", self.default_max_tokens)
         _positive("max_request_bytes", self.max_request_bytes)
         _non_negative("max_retries", self.max_retries)
+        _positive("tokenizer_threads", self.tokenizer_threads)
         if self.disaggregation not in ("auto", "always", "never"):
             raise ConfigError(
                 f"disaggregation must be 'auto', 'always' or 'never', got {self.disaggregation!r}"

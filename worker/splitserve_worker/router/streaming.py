@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from splitserve_worker.router.dispatch import Dispatcher, GenRequest, TokenEvent
-from splitserve_worker.router.errors import from_failure
+from splitserve_worker.router.errors import error_body, from_failure
 from splitserve_worker.router.failures import RequestFailed
 from splitserve_worker.router.queues import Saturated, Stage
 from splitserve_worker.router.request_metrics import Outcome, RequestMetrics
@@ -33,6 +34,8 @@ from splitserve_worker.router.responses import (
     sse,
     usage,
 )
+
+log = logging.getLogger(__name__)
 
 Start = Callable[[Job], AsyncGenerator[TokenEvent, None]]
 """Opens one job's stream of token events; it raises :class:`Saturated` or
@@ -177,7 +180,9 @@ async def sse_stream(
 ) -> AsyncIterator[bytes]:
     """The whole SSE body of a streamed request run as ``jobs``: a chat's role chunk,
     every choice's chunks as they come, the usage when asked for, then ``[DONE]``. A
-    failure ends the stream with an error chunk in the OpenAI shape (the 200 is sent)."""
+    failure ends the stream with an error chunk in the OpenAI shape (the 200 is sent),
+    and so does a fault of the router's own (logged with the request id): a stream that
+    started always ends with ``[DONE]``, never with a cut connection."""
     try:
         if jobs[0].kind == "chat.completion":
             yield sse(chunk(jobs, [role_choice(j) for j in jobs]))
@@ -192,6 +197,10 @@ async def sse_stream(
             yield sse(body)
     except (Saturated, RequestFailed) as e:
         yield sse(from_failure(e).body())
+    except Exception:  # a fault of the router's own: logged whole, said in the stream
+        log.exception("stream %s failed in the router", jobs[0].id)
+        message = f"the router failed to serve this request; its error is logged under {jobs[0].id}"
+        yield sse(error_body(500, message, code="internal_error"))
     yield DONE
 
 
