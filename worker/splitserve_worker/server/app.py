@@ -132,6 +132,7 @@ async def start_worker(
                 receivers,
                 default_backend=config.kv_backend,
                 lease_seconds=config.lease_seconds,
+                max_lease_seconds=config.max_lease_seconds,
                 address=address,
                 metrics=metrics,
                 holds=config.faults.holds,
