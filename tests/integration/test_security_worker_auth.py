@@ -253,3 +253,56 @@ def test_a_request_larger_than_its_method_takes_is_refused_unparsed(tiny_model_p
             await w.stop(0.2)
 
     asyncio.run(scenario())
+
+
+def test_a_silent_or_trickling_connection_to_a_worker_is_let_go() -> None:
+    """A peer that connects and says nothing, or sends the HTTP/2 preface a byte at a
+    time, is dropped once the handshake timeout passes (it was held two minutes)."""
+    import socket
+    import time
+
+    from splitserve.grpc_options import HANDSHAKE_TIMEOUT_MS, SERVER_OPTIONS
+    from splitserve_worker.server.auth import TokenAuthInterceptor
+
+    guard_s = 3 * HANDSHAKE_TIMEOUT_MS / 1000
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+    def held(port: int, trickle: bool) -> bool:
+        """Whether the connection was still open when the guard ran out."""
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.settimeout(0.25)
+        deadline = time.monotonic() + guard_s
+        try:
+            for i in range(10**6):
+                if trickle:
+                    try:
+                        sock.sendall(preface[i % len(preface) : i % len(preface) + 1])
+                    except (BrokenPipeError, ConnectionResetError):
+                        return False
+                try:
+                    if sock.recv(4096) == b"":
+                        return False
+                except TimeoutError:
+                    pass
+                except ConnectionResetError:
+                    return False
+                if time.monotonic() > deadline:
+                    return True
+            return True
+        finally:
+            sock.close()
+
+    async def scenario() -> None:
+        server = grpc.aio.server(interceptors=[TokenAuthInterceptor(TOKEN)], options=SERVER_OPTIONS)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            silent, trickling = await asyncio.gather(
+                asyncio.to_thread(held, port, False), asyncio.to_thread(held, port, True)
+            )
+            assert not silent, "a silent connection outlived the handshake timeout"
+            assert not trickling, "a preface trickling in outlived the handshake timeout"
+        finally:
+            await server.stop(None)
+
+    asyncio.run(scenario())

@@ -181,6 +181,8 @@ def build_app(args: argparse.Namespace, **overrides: Any) -> Any:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from splitserve_worker.router.http_server import server_config
+
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -190,5 +192,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"router: OpenAI API on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    uvicorn.Server(server_config(app, args.host, args.port, log_level=args.log_level)).run()
     return 0

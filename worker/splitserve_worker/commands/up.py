@@ -195,11 +195,9 @@ async def serve_router(app: Any, host: str, port: int) -> tuple[Any, asyncio.Tas
     """Starts uvicorn in this loop; returns (server, task, port) once it listens."""
     import uvicorn
 
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", access_log=False,
-        timeout_graceful_shutdown=3, lifespan="on",
-    )  # fmt: skip
-    server = uvicorn.Server(config)
+    from splitserve_worker.router.http_server import server_config
+
+    server = uvicorn.Server(server_config(app, host, port, timeout_graceful_shutdown=3))
     server.capture_signals = lambda: _quiet_uvicorn_signals(server)  # type: ignore[method-assign]
     task = asyncio.create_task(server.serve())
     for _ in range(600):

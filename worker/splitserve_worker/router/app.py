@@ -48,6 +48,7 @@ def create_app(service: RouterService) -> FastAPI:
             await service.stop()
 
     app = FastAPI(title="splitserve router", version="1", lifespan=lifespan)
+    app.state.http = service.config.http  # the server's connection bounds (http_server)
     errors.install(app)
     app.add_middleware(BodyLimit, limit=service.config.max_request_bytes)
     app.add_middleware(CatchAll)  # added last: the outermost, it sees what nothing answered

@@ -150,6 +150,31 @@ class TimeoutConfig:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    """Bounds on the router's HTTP connections, so slow or greedy clients cannot hold
+    the server (seconds, connections)."""
+
+    header_timeout_s: float = 10.0
+    """A request's head (request line and headers) must arrive whole within this, from
+    the connection's start or the request's first byte: a client sending its headers a
+    byte at a time is let go."""
+    body_timeout_s: float = 60.0
+    """A request's body must arrive whole within this once its head has (64 MiB at
+    about 1 MB/s)."""
+    keep_alive_s: float = 5.0
+    """How long an idle connection is kept between requests."""
+    max_connections_per_peer: int = 256
+    """Connections served at once from one client address; more are refused with 503.
+    Behind a proxy every client has the proxy's address: raise it there."""
+    max_connections: int = 4096
+    """Connections (and requests in flight) served at once in all; more get 503."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _positive(f"http.{f.name}", getattr(self, f.name))
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """Everything the router needs besides its workers."""
 
@@ -182,6 +207,7 @@ class RouterConfig:
     queues: QueueConfig = field(default_factory=QueueConfig)
     cost: CostModelConfig = field(default_factory=CostModelConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
