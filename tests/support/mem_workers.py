@@ -56,6 +56,7 @@ class MemWorker:
         self.streams_open = 0
         self.streams_closed: list[str] = []
         self.restart_after_failing = False
+        self.tokens_out = 0  # tokens its streams have yielded, all together
         self.fail_prefill_with: BaseException | None = None  # raised as it is, by prefill
         self.total_blocks = 100
 
@@ -132,6 +133,7 @@ class MemWorker:
                 if self.stall is not None:
                     await self.stall.wait()
                 seq.append(next_token(seq))
+                self.tokens_out += 1
                 last = i == sampling.max_tokens - 1
                 yield pb.TokenChunk(
                     request_id=request_id,

@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from splitserve.roles import DECODE_ROLES
 from starlette.background import BackgroundTask
@@ -67,8 +67,8 @@ def create_app(service: RouterService) -> FastAPI:
                 await streaming.admit(choices, service.dispatcher.decode_stage)
             except Saturated as e:
                 raise errors.from_saturated(e) from None
-            return StreamingResponse(
-                streaming.sse_stream(choices, start, record),
+            return streaming.SSEResponse(
+                streaming.sse_stream(choices, start, record, cfg.queues.max_stream_backlog),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
                 # frees the slots if the stream never started (client gone before it)

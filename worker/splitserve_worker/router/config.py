@@ -78,6 +78,10 @@ class QueueConfig:
     """Longest a request waits in one queue before it is refused with 503."""
     retry_after_s: int = 1
     """Value of the Retry-After header on 429/503 answers, in seconds."""
+    max_stream_backlog: int = 1024
+    """Token events a streamed request may have waiting for its client (all its choices
+    together), beyond what the connection itself buffers: a client further behind has
+    stopped reading, and its request is ended on the workers (KV and decode slot freed)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -84,6 +84,10 @@ class TokenEvent:
     """With the first token, when asked for."""
 
 
+ATTEMPT_BUFFER = 64
+"""Token chunks read ahead from a worker's stream for one attempt; past that the stream
+waits (gRPC's flow control holds the worker's sends) until the request takes them."""
+
 MAX_REPLANS = 8
 """Most times one request is planned again from the top because no worker fitted it
 when its prefill slot came (see :class:`~splitserve_worker.router.failures.Stale`)."""
@@ -246,7 +250,7 @@ class Dispatcher:
         touched: list[WorkerConn] = []
         finished = assigned = False
         pump: asyncio.Task[None] | None = None
-        queue: asyncio.Queue[Any] = asyncio.Queue()
+        queue: asyncio.Queue[Any] = asyncio.Queue(ATTEMPT_BUFFER)
         slot: Admission | None = None
         waited = False
         if plan.prefill is not None:
@@ -349,12 +353,12 @@ class Dispatcher:
                 async for chunk in conn.generate(
                     rid, prompt, sampling, remote, timeout=self.config.timeouts.request_s
                 ):
-                    queue.put_nowait(chunk)
-                queue.put_nowait(None)
+                    await queue.put(chunk)
+                await queue.put(None)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # handed to the consumer, which decides
-                queue.put_nowait(e)
+                await queue.put(e)
 
         return asyncio.create_task(pump(), name=f"generate-{rid}")
 
