@@ -557,7 +557,7 @@ def test_a_flood_of_frames_is_paced_not_served_at_once() -> None:
     clock that stands still, each later frame is told to wait longer."""
     from clock_kit import FakeClock
 
-    clock, slept = FakeClock(), []
+    clock, slept = FakeClock(), list[float]()
     limits = Limits(frames_per_s=100.0, frame_burst=4)
 
     async def scenario() -> None:

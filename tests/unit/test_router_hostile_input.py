@@ -10,7 +10,6 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 from mem_workers import MemWorker, mem_router
@@ -43,11 +42,12 @@ def client(tokenizer: Any) -> Iterator[TestClient]:
         yield c
 
 
-def post_raw(c: TestClient, path: str, body: str) -> httpx.Response:
+def post_raw(c: TestClient, path: str, body: str) -> Any:
     return c.post(path, content=body.encode(), headers={"content-type": "application/json"})
 
 
-def error_of(r: httpx.Response, status: int) -> dict[str, Any]:
+def error_of(r: Any, status: int) -> dict[str, Any]:
+    """The OpenAI error of an answer (TestClient's or httpx's)."""
     assert r.status_code == status, r.text
     assert r.headers["content-type"].startswith("application/json"), r.headers
     err = r.json()["error"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import MutableMapping
 from typing import Any
 
 import pytest
@@ -54,7 +55,7 @@ async def test_a_client_that_stops_reading_frees_its_slot_and_the_workers_kv(n: 
     stopped_reading = asyncio.Event()
     sent_request = False
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> MutableMapping[str, Any]:
         nonlocal sent_request
         if not sent_request:
             sent_request = True
@@ -62,7 +63,7 @@ async def test_a_client_that_stops_reading_frees_its_slot_and_the_workers_kv(n: 
         await asyncio.Event().wait()  # the client never hangs up
         raise AssertionError("unreachable")
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         if message["type"] == "http.response.body" and message.get("body"):
             chunks.append(message["body"])
             if len(chunks) >= 3:  # the client read a little, then stopped
