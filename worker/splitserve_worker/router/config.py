@@ -167,7 +167,7 @@ class HttpConfig:
     about 1 MB/s)."""
     keep_alive_s: float = 5.0
     """How long an idle connection is kept between requests."""
-    max_connections_per_peer: int = 256
+    max_connections_per_peer: int = 1024
     """Connections served at once from one client address; more are refused with 503.
     Behind a proxy every client has the proxy's address: raise it there."""
     max_connections: int = 4096
