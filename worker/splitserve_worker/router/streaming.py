@@ -161,6 +161,7 @@ async def merged(
             async with contextlib.aclosing(choice_events(job, start, record)) as evs:
                 async for piece in evs:
                     if waiting >= backlog:
+                        log.warning("stream %s: its client stopped reading; ended", job.id)
                         raise TooSlow(
                             499,
                             f"the client left {waiting} pieces of its stream unread, more than "
