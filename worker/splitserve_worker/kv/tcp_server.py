@@ -171,7 +171,6 @@ class _Connection:
         head = bytearray(wire.FRAME.size)
         view = memoryview(head)
         while True:
-            self._server.pace(self.peer, self._stop)
             got = self._sock.recv_into(view, len(head))
             if not got:
                 if self._open:
@@ -179,6 +178,7 @@ class _Connection:
                 return  # a close between pushes
             if got < len(head):
                 recv_into(self._sock, [view[got:]])
+            self._server.pace(self.peer, self._stop)  # each frame waits its turn
             frame = wire.parse_frame(head)
             if frame.kind == wire.SPAN:
                 self._span(frame)
