@@ -57,7 +57,10 @@ def bench_exposed(model: str, backend: str, repeats: int, prompt_len: int) -> fl
         for i in range(repeats + 1):
             prompt = [100 + (i * 7919 + j * 31) % 40000 for j in range(prompt_len)]
             rid = f"exp-{backend}-{i}"
-            handle = await d.reserve(rid, len(prompt), kv_backend=backend, lease_seconds=600)
+            compat = (await p.health()).compat
+            handle = await d.reserve(
+                rid, len(prompt), compat, kv_backend=backend, lease_seconds=600
+            )
             gen = d.generate(rid, prompt, sp, expect_remote_kv=True)
             task = asyncio.ensure_future(_drain(gen))
             r = await p.prefill(rid, prompt, sp, handle, timeout=600)

@@ -3,20 +3,36 @@ from an OpenAI body, the worker client puts them on the wire, the worker's serve
 them back and the engine's sampler follows them.
 
 Pure (standard library only): :class:`SamplingParams` and its bounds, checked by
-:meth:`SamplingParams.validate`. The router's API models check the same bounds (a 400
-before any worker is asked); the engine checks them again for gRPC callers.
+:meth:`SamplingParams.validate`. The router's API models check the same bounds and the
+router validates what it builds (a 400 before any worker is asked); the worker checks
+them again for every gRPC caller. The wire carries the numbers as 32-bit floats, so a
+value is checked as it will arrive too: one the router accepts, the worker accepts.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import struct
+from dataclasses import dataclass, replace
 
 MAX_TOP_LOGPROBS = 20
 """Most alternatives per position a request may ask for (``logprobs`` / ``top_logprobs``
 / ``prompt_logprobs``)."""
 MAX_LOGIT_BIAS = 100.0
 """A logit bias is within +-this, as OpenAI's (-100 bans a token, 100 all but forces it)."""
+MAX_REPETITION_PENALTY = 100.0
+"""Largest repetition penalty: dividing a logit by more than this changes nothing a
+sampler can tell (and far larger ones overflow the wire's 32-bit float to infinity)."""
+
+_FLOAT32 = struct.Struct("<f")
+
+
+def wire_float(value: float) -> float:
+    """``value`` as a 32-bit float carries it: rounded, or ``inf`` beyond its range."""
+    try:
+        return float(_FLOAT32.unpack(_FLOAT32.pack(value))[0])
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 class SamplingError(ValueError):
@@ -83,8 +99,34 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
+    def on_the_wire(self) -> SamplingParams:
+        """These parameters as a worker receives them (floats rounded to 32 bits)."""
+        return replace(
+            self,
+            temperature=wire_float(self.temperature),
+            top_p=wire_float(self.top_p),
+            min_p=wire_float(self.min_p),
+            presence_penalty=wire_float(self.presence_penalty),
+            frequency_penalty=wire_float(self.frequency_penalty),
+            repetition_penalty=wire_float(self.repetition_penalty),
+            logit_bias=tuple((t, wire_float(b)) for t, b in self.logit_bias),
+        )
+
     def validate(self) -> None:
-        """Raise :class:`SamplingError` naming the first bad field."""
+        """Raise :class:`SamplingError` naming the first bad field, as given or as the
+        wire's 32-bit floats carry it (``1e308`` is ``inf`` there, ``1e-50`` is 0)."""
+        self._check("")
+        wire = self.on_the_wire()
+        if wire != self:
+            wire._check(" (as the 32-bit float the wire carries)")
+
+    def _check(self, how: str) -> None:
+        try:
+            self._bounds()
+        except SamplingError as e:
+            raise SamplingError(f"{e}{how}") from None
+
+    def _bounds(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
@@ -127,8 +169,8 @@ class SamplingParams:
                     f"logit_bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, "
                     f"{MAX_LOGIT_BIAS:g}], got {bias}"
                 )
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:  # NaN fails too
             raise SamplingError(
-                f"repetition_penalty must be a finite number > 0 (1 is off), "
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 is off), "
                 f"got {self.repetition_penalty}"
             )

@@ -77,7 +77,7 @@ def stack(tiny_model_path: Path) -> Iterator[Stack]:
             ws.append(await start_worker(cfg, loaded=load_model(str(tiny_model_path))))
         async with WorkerClient(ws[1].address, TOKEN) as d:
             h = await d.health()
-            handle = await d.reserve("probe", 4)
+            handle = await d.reserve("probe", 4, h.compat)
             await d.release("probe")
             reference = await collect(d.generate("ref", PROMPT, SP))
         port, tls = wire.parse_metadata(handle.backend_metadata)
@@ -258,7 +258,7 @@ def test_any_frames_end_their_own_connection_and_leak_nothing(
 
     async def reserve() -> str:
         async with WorkerClient(d, TOKEN) as c:
-            return str((await c.reserve(rid, 40)).lease_id)
+            return str((await c.reserve(rid, 40, (await c.health()).compat)).lease_id)
 
     lease_id = str(stack.run(reserve()))
     lease = {"live lease": lease_id.encode(), "unknown lease": b"f" * 16,

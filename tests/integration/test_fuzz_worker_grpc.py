@@ -77,7 +77,7 @@ async def refused(call: Awaitable[Any], what: str) -> grpc.StatusCode:
 
 
 async def good_handoff(p: WorkerClient, d: WorkerClient, rid: str, prompt: list[int]) -> list[int]:
-    handle = await d.reserve(rid, len(prompt))
+    handle = await d.reserve(rid, len(prompt), (await p.health()).compat)
     tokens: list[int] = []
 
     async def collect() -> None:
@@ -121,17 +121,18 @@ def test_malformed_calls_are_refused_while_a_good_request_completes(tiny_model_p
         base_d, base_p = await d.health(), await p.health()
         compat = base_d.compat
         # a reservation the malformed pushes aim at
-        h = await d.reserve("victim", 40)
+        h = await d.reserve("victim", 40, compat)
         token_bytes = 2 * compat.kv_heads * compat.head_dim * 4  # float32 K+V per token
         ok = dict(request_id="victim", lease_id=h.lease_id, compat_hash=compat.hash)
         good = asyncio.ensure_future(good_handoff(p, d, "good", prompt))
 
         bad_calls: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
-            ("reserve negative tokens", lambda: d.reserve("neg", -5)),
-            ("reserve zero tokens", lambda: d.reserve("zero", 0)),
-            ("reserve huge", lambda: d.reserve("huge", 2**31 - 1)),
-            ("reserve bad backend", lambda: d.reserve("bk", 10, kv_backend="carrier-pigeon")),
-            ("reserve twice", lambda: d.reserve("victim", 10)),
+            ("reserve negative tokens", lambda: d.reserve("neg", -5, compat)),
+            ("reserve zero tokens", lambda: d.reserve("zero", 0, compat)),
+            ("reserve huge", lambda: d.reserve("huge", 2**31 - 1, compat)),
+            ("reserve bad backend", lambda: d.reserve("bk", 10, compat,
+                                                      kv_backend="carrier-pigeon")),
+            ("reserve twice", lambda: d.reserve("victim", 10, compat)),
             ("reserve wrong compat", lambda: d.reserve("cx", 8, compat=pb.CompatInfo(
                 hash="0" * 64, model="other", dtype="float16"))),
             ("push unknown request", lambda: d.push_kv(pushes(pb.KVLayer(
@@ -161,7 +162,7 @@ def test_malformed_calls_are_refused_while_a_good_request_completes(tiny_model_p
         ]
         for i, (what, fields) in enumerate(push_cases):
             # each case on a reservation of its own, which the refusal frees
-            h = await d.reserve(f"victim-{i}", 40)
+            h = await d.reserve(f"victim-{i}", 40, compat)
             msg = pb.KVLayer(request_id=f"victim-{i}", lease_id=h.lease_id,
                              compat_hash=compat.hash, **fields)  # fmt: skip
             code = await refused(d.push_kv(pushes(msg)()), f"push {what}")
@@ -199,7 +200,7 @@ def test_malformed_calls_are_refused_while_a_good_request_completes(tiny_model_p
             await refused(drain(), f"generate {what}")
         await refused(d.commit("nobody", "x", 0), "commit unknown")
         # a handle whose numbers do not add up, sent to the prefill worker
-        hp = await d.reserve("ph", 10)
+        hp = await d.reserve("ph", 10, compat)
         bad_prefills = [
             ("prefill count mismatch", pb.PrefillRequest(request_id="ph", handle=hp,
                                                          prompt_token_ids=[5] * 11, sampling=SP)),
@@ -231,7 +232,7 @@ def test_malformed_calls_are_refused_while_a_good_request_completes(tiny_model_p
             except grpc.aio.AioRpcError as e:
                 assert e.code() is grpc.StatusCode.UNAVAILABLE and e.details(), (nowhere, e)
         # reserved, never pushed: the stream ends when the lease does, with the code for it
-        await d.reserve("never", 8)
+        await d.reserve("never", 8, compat)
 
         async def never() -> None:
             async for _ in d.generate("never", [5] * 8, SP, expect_remote_kv=True, timeout=30):
@@ -329,7 +330,7 @@ def test_any_kv_layer_is_placed_or_refused_clearly_and_never_leaks(
             h0 = await d.health()
             tb = 2 * h0.compat.kv_heads * h0.compat.head_dim * 4
             rid = f"prop-{os.urandom(4).hex()}"
-            handle = await d.reserve(rid, 40)
+            handle = await d.reserve(rid, 40, h0.compat)
             data = os.urandom(max(0, data_tokens * tb + extra_bytes))
             msg = pb.KVLayer(request_id=rid, lease_id=handle.lease_id, layer=layer,
                              start_token=start_token, num_tokens=num_tokens, data=data,

@@ -78,7 +78,7 @@ async def collect(stream: AsyncIterator[pb.TokenChunk]) -> tuple[list[int], str]
 
 async def disaggregated(p: WorkerClient, d: WorkerClient, rid: str, prompt: list[int],
                         backend: str = "tcp") -> tuple[list[int], pb.PrefillResponse]:  # fmt: skip
-    handle = await d.reserve(rid, len(prompt), kv_backend=backend)
+    handle = await d.reserve(rid, len(prompt), (await p.health()).compat, kv_backend=backend)
     gen = asyncio.ensure_future(collect(d.generate(rid, prompt, SP, expect_remote_kv=True)))
     resp = await p.prefill(rid, prompt, SP, handle)
     tokens, reason = await gen
@@ -130,8 +130,8 @@ def test_expired_lease_frees_every_reserved_block(tiny_model_path: Path) -> None
         async with workers(tiny_model_path, "decode", clock=clock) as ws:
             (d,) = clients(ws)
             total = (await d.health()).total_blocks
-            await d.reserve("a", 100, lease_seconds=10)
-            await d.reserve("b", 1000, lease_seconds=10)
+            await d.reserve("a", 100, (await d.health()).compat, lease_seconds=10)
+            await d.reserve("b", 1000, (await d.health()).compat, lease_seconds=10)
             h = await d.health()
             assert h.free_blocks == total - 7 - 63 and h.leases == 2
             gen = asyncio.ensure_future(collect(d.generate("a", prompt_of(100), SP,
@@ -155,8 +155,8 @@ def test_release_and_cancel_free_a_reservation(tiny_model_path: Path) -> None:
         async with workers(tiny_model_path, "decode") as ws:
             (d,) = clients(ws)
             total = (await d.health()).total_blocks
-            await d.reserve("a", 40)
-            await d.reserve("b", 40)
+            await d.reserve("a", 40, (await d.health()).compat)
+            await d.reserve("b", 40, (await d.health()).compat)
             r = await d.release("a", "test")
             assert r.released and r.blocks_freed == 3
             assert await d.cancel("b")
@@ -193,7 +193,7 @@ def test_compat_mismatch_is_refused_naming_the_difference(tiny_model_path: Path)
             assert "head_dim: this worker=16" in (e.value.details() or "")
 
             # and the stream itself is checked again
-            handle = await d.reserve("z", 10)
+            handle = await d.reserve("z", 10, mine)
 
             async def bad() -> AsyncIterator[pb.KVLayer]:
                 yield pb.KVLayer(request_id="z", lease_id=handle.lease_id, layer=0,
@@ -233,7 +233,9 @@ def test_workers_that_differ_are_refused_from_their_own_hashes(
                 await d.reserve("x", 10, compat=theirs)
             assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
             assert words in (e.value.details() or ""), e.value.details()
-            handle = await d.reserve("y", 10)  # no compat given: the prefill side checks
+            # a Reserve that states the decode worker's own compat: the prefill side checks
+            # the handle's again
+            handle = await d.reserve("y", 10, mine)
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await p.prefill("y", prompt_of(10), SP, handle)
             assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
@@ -253,7 +255,7 @@ def test_calls_without_the_token_are_refused(tiny_model_path: Path) -> None:
                     await c.health()
                 assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
                 with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await c.reserve("r", 10)
+                    await c.reserve("r", 10, pb.CompatInfo())
                 assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await collect(c.generate("g", prompt_of(5), SP))
@@ -282,7 +284,7 @@ def test_injected_faults_fail_cleanly_and_leak_nothing(tiny_model_path: Path, fa
             try:
                 p, d = clients([pw, dw])
                 prompt = prompt_of(50)
-                handle = await d.reserve("f", len(prompt))
+                handle = await d.reserve("f", len(prompt), (await d.health()).compat)
                 gen = asyncio.ensure_future(collect(d.generate("f", prompt, SP,
                                                                expect_remote_kv=True)))  # fmt: skip
                 with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -305,7 +307,7 @@ def test_roles_refuse_calls_they_do_not_serve(tiny_model_path: Path) -> None:
         async with workers(tiny_model_path, "prefill", "decode") as ws:
             p, d = clients(ws)
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await p.reserve("r", 10)
+                await p.reserve("r", 10, (await p.health()).compat)
             assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
             assert "role is 'prefill'" in (e.value.details() or "")
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -315,7 +317,7 @@ def test_roles_refuse_calls_they_do_not_serve(tiny_model_path: Path) -> None:
                 await collect(d.generate("nope", prompt_of(10), SP, expect_remote_kv=True))
             assert e.value.code() is grpc.StatusCode.NOT_FOUND
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await d.reserve("big", 10**6)
+                await d.reserve("big", 10**6, (await d.health()).compat)
             assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
             tokens, reason = await collect(d.generate("local", prompt_of(10), SP))
             assert len(tokens) == 8 and reason == "length"
@@ -384,7 +386,7 @@ def test_health_counts_prefills_in_progress(tiny_model_path: Path) -> None:
                 p, d = clients(ws)
                 assert (await p.health()).prefilling == 0
                 prompt = prompt_of(40)
-                handle = await d.reserve("silent", len(prompt))
+                handle = await d.reserve("silent", len(prompt), (await d.health()).compat)
                 port = silent.getsockname()[1]
                 handle.decode_address = f"127.0.0.1:{port}"
                 handle.backend_metadata = tcp_wire.handle_metadata(port, False)

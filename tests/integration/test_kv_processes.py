@@ -115,7 +115,7 @@ async def push_to_frozen_decode(
     the error the prefill ends with."""
     d = WorkerClient(victim.address, TOKEN)
     prompt = prompt_of(4000)
-    handle = await d.reserve(rid, len(prompt), kv_backend=backend)
+    handle = await d.reserve(rid, len(prompt), (await p.health()).compat, kv_backend=backend)
     armed, reached = (Path(f) for f in hold_files(str(holds), victim.popen.pid, "receive"))
     armed.parent.mkdir(parents=True, exist_ok=True)
     armed.touch()
@@ -226,7 +226,8 @@ def test_prefill_killed_mid_prefill_leaves_decode_holding_nothing(
         prompt = prompt_of(4000)
         before = await d.health()
         rid = f"orphan-{backend}"
-        handle = await d.reserve(rid, len(prompt), kv_backend=backend, lease_seconds=3)
+        compat = (await p.health()).compat
+        handle = await d.reserve(rid, len(prompt), compat, kv_backend=backend, lease_seconds=3)
         held = await d.health()
         assert held.free_blocks == before.free_blocks - 250 and held.leases == before.leases + 1
         gen = asyncio.ensure_future(collect(d.generate(rid, prompt, SP, expect_remote_kv=True)))

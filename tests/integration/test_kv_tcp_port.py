@@ -16,6 +16,7 @@ import socket
 import zlib
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -35,8 +36,8 @@ TOKEN_BYTES = H * D * 4
 COMPAT = Compat("bare", "float32", BS, L, H, D, "LKBTHD-v1")
 
 
-def decode(limits: Limits | None = None) -> AbstractAsyncContextManager[BareDecode]:
-    return bare_decode(COMPAT, NB, limits=limits, token=TOKEN)
+def decode(limits: Limits | None = None, **pacing: Any) -> AbstractAsyncContextManager[BareDecode]:
+    return bare_decode(COMPAT, NB, limits=limits, token=TOKEN, **pacing)
 
 
 class Raw:
@@ -484,5 +485,98 @@ def test_a_pool_off_the_host_takes_spans_staged(monkeypatch: pytest.MonkeyPatch)
             assert (err.kind, err.status) == (wire.ERROR, Status.DATA_LOSS)
             assert "checksum" in message
             await until(lambda: d.engine.released == ["bad"], what="the corrupt push's blocks")
+
+    asyncio.run(scenario())
+
+
+def test_a_push_sends_no_more_than_its_reservation_holds() -> None:
+    """Each token of each layer once: the same one-token span sent over and over (each
+    renewing the lease, each a frame for the port's thread) is refused once the lease
+    has had its reservation's bytes, and the lease is freed."""
+
+    async def scenario() -> None:
+        async with decode() as d:
+            lease = d.reserve("r", [1, 2], 8)  # 2 layers of 8 tokens: 16 one-token spans
+            one = payload(layer_kv(8, 0), 0, 1)
+
+            def flood() -> tuple[Answer, str, bool]:
+                c = ready(d.tcp_port)
+                c.send(b"".join(span(lease, 0, 0, one) for _ in range(16)))
+                c.send(span(lease, 0, 0, one))
+                answer, message = c.answer()
+                closed = c.closed()
+                c.close()
+                return answer, message, closed
+
+            answer, message, closed = await asyncio.to_thread(flood)
+            assert (answer.kind, answer.status) == (wire.ERROR, Status.RESOURCE_EXHAUSTED)
+            assert "a span past the 1024 bytes its reservation holds" in message and closed
+            assert lease.bytes_received == 16 * len(one)
+            await until(lambda: "r" in d.engine.released, what="the flooded lease to be freed")
+
+    asyncio.run(scenario())
+
+
+def test_handshakes_past_the_limit_per_peer_are_turned_away() -> None:
+    """Connections that never send their hello hold no more than their peer's share:
+    the next is refused, another peer is served, and a hello frees a slot."""
+    limits = Limits(max_handshakes_per_peer=2)
+
+    async def scenario() -> None:
+        async with decode(limits) as d:
+
+            def run() -> list[tuple[Answer, str]]:
+                silent = [Raw(d.tcp_port), Raw(d.tcp_port)]
+                seen = [c.answer() for c in silent]  # their challenges, never answered
+                third = Raw(d.tcp_port)
+                seen.append(third.answer())
+                other = Raw(d.tcp_port, source="127.0.0.2")
+                seen.append(other.hello())
+                silent[0].sock.sendall(wire.hello(TOKEN, seen[0][0].nonce, COMPAT.hash))
+                seen.append(silent[0].answer())
+                fourth = Raw(d.tcp_port)
+                seen.append(fourth.answer())
+                for c in (*silent, third, other, fourth):
+                    c.close()
+                return seen
+
+            seen = await asyncio.to_thread(run)
+            kinds = [a.kind for a, _ in seen]
+            assert kinds == [wire.CHALLENGE, wire.CHALLENGE, wire.ERROR, wire.READY, wire.READY,
+                             wire.CHALLENGE], seen  # fmt: skip
+            answer, message = seen[2]
+            assert answer.status == Status.RESOURCE_EXHAUSTED
+            assert "2 KV connections from 127.0.0.1 have not sent their hello" in message
+            await until(lambda: d.tcp.open_connections == 0, what="every connection to go")
+
+    asyncio.run(scenario())
+
+
+def test_a_flood_of_frames_is_paced_not_served_at_once() -> None:
+    """Past its burst, a peer's frames wait their turn (the port's thread asleep): on a
+    clock that stands still, each later frame is told to wait longer."""
+    from clock_kit import FakeClock
+
+    clock, slept = FakeClock(), list[float]()
+    limits = Limits(frames_per_s=100.0, frame_burst=4)
+
+    async def scenario() -> None:
+        async with decode(limits, clock=clock, sleep=slept.append) as d:
+            lease = d.reserve("r", [1, 2], 8)
+            kv = layer_kv(8, 0)
+
+            def send() -> tuple[Answer, str]:
+                c = ready(d.tcp_port)
+                c.send(b"".join(span(lease, 0, i, payload(kv, i, 1)) for i in range(8)))
+                c.send(wire.end(lease.lease_id))
+                got = c.answer()
+                c.close()
+                return got
+
+            answer, _ = await asyncio.to_thread(send)
+            assert answer.kind == wire.ACK and answer.layers == 1  # paced, then served whole
+            # the 8 spans and the END: the first 4 within the burst, then 1/100 s more each
+            assert slept == pytest.approx([0.01, 0.02, 0.03, 0.04, 0.05]), slept
+            assert torch.equal(read(d, lease, 0), kv)
 
     asyncio.run(scenario())

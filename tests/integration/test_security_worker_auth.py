@@ -151,3 +151,158 @@ def test_router_api_key_off_is_open() -> None:
         assert r.status_code == 200
 
     asyncio.run(scenario())
+
+
+BIG = 63 << 20
+"""An unauthenticated caller's message: just under the server's receive limit."""
+
+
+def test_a_call_without_the_token_is_refused_before_its_message_is_read() -> None:
+    """The token is checked on the call's metadata; the refused call's 63 MB message is
+    never received whole nor parsed (it was, before the refusal: a worker spent seconds
+    and gigabytes on such calls, its Health late enough to be marked unhealthy)."""
+    from splitserve.grpc_options import SERVER_OPTIONS
+    from splitserve_worker.server.auth import TokenAuthInterceptor
+
+    parsed: list[int] = []
+
+    def deserialize(raw: bytes) -> pb.HealthRequest:
+        parsed.append(len(raw))
+        return pb.HealthRequest.FromString(raw)
+
+    async def health(request: pb.HealthRequest, context: Any) -> pb.HealthResponse:
+        return pb.HealthResponse(version="answered")
+
+    async def scenario() -> None:
+        server = grpc.aio.server(interceptors=[TokenAuthInterceptor(TOKEN)], options=SERVER_OPTIONS)
+        handler = grpc.unary_unary_rpc_method_handler(
+            health, deserialize, pb.HealthResponse.SerializeToString
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("splitserve.v1.Worker", {"Health": handler}),)
+        )
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            from splitserve.grpc_options import CHANNEL_OPTIONS
+
+            async with grpc.aio.insecure_channel(
+                f"127.0.0.1:{port}", options=CHANNEL_OPTIONS
+            ) as ch:
+                raw = ch.unary_unary("/splitserve.v1.Worker/Health", lambda b: b,
+                                     pb.HealthResponse.FromString)  # fmt: skip
+                junk = b"\x42" * BIG  # any bytes: nothing may read them
+                for md in ((), auth_metadata("wrong")):
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await raw(junk, metadata=md, timeout=30)
+                    assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
+                assert parsed == [], f"a refused call's message was parsed: {parsed}"
+                ok = await raw(b"", metadata=auth_metadata(TOKEN), timeout=5)
+                assert ok.version == "answered" and parsed == [0]
+        finally:
+            await server.stop(None)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_larger_than_its_method_takes_is_refused_unparsed(tiny_model_path: Path) -> None:
+    """With the token, a Generate or Prefill of two million token ids (the model takes
+    4,096) is refused by its size before it is decoded; so is a Health of a megabyte."""
+    import torch
+    from splitserve_worker.models import load_model
+
+    torch.set_num_threads(1)
+
+    async def scenario() -> None:
+        cfg = WorkerConfig(role="both", model=str(tiny_model_path), token=TOKEN, num_blocks=64,
+                           threads=1)  # fmt: skip
+        w = await start_worker(cfg, loaded=load_model(str(tiny_model_path)))
+        md = auth_metadata(TOKEN)
+        try:
+            async with grpc.aio.insecure_channel(w.address) as ch:
+                prompt = list(range(2_000_000))
+                gen = pb.GenerateRequest(request_id="huge", prompt_token_ids=prompt)
+                pre = pb.PrefillRequest(request_id="huge", prompt_token_ids=prompt)
+                calls = [
+                    ch.unary_stream("/splitserve.v1.Worker/Generate",
+                                    pb.GenerateRequest.SerializeToString,
+                                    pb.TokenChunk.FromString)(gen, metadata=md, timeout=30),
+                    ch.unary_unary("/splitserve.v1.Worker/Prefill",
+                                   pb.PrefillRequest.SerializeToString,
+                                   pb.PrefillResponse.FromString)(pre, metadata=md, timeout=30),
+                    ch.unary_unary("/splitserve.v1.Worker/Health", lambda b: b,
+                                   pb.HealthResponse.FromString)(b"\x42" * (1 << 20), metadata=md,
+                                                                 timeout=30),
+                ]  # fmt: skip
+                for name, call in zip(("Generate", "Prefill", "Health"), calls, strict=True):
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        if name == "Generate":
+                            async for _ in call:  # type: ignore[union-attr]
+                                pass
+                        else:
+                            await call  # type: ignore[misc]
+                    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT, (name, e.value)
+                    details = str(e.value.details())
+                    assert f"a {name} request of" in details and "takes at most" in details, details
+                health = ch.unary_unary("/splitserve.v1.Worker/Health",
+                                        pb.HealthRequest.SerializeToString,
+                                        pb.HealthResponse.FromString)  # fmt: skip
+                h = await health(pb.HealthRequest(), metadata=md, timeout=5)
+                assert h.free_blocks == h.total_blocks == 64
+        finally:
+            await w.stop(0.2)
+
+    asyncio.run(scenario())
+
+
+def test_a_silent_or_trickling_connection_to_a_worker_is_let_go() -> None:
+    """A peer that connects and says nothing, or sends the HTTP/2 preface a byte at a
+    time, is dropped once the handshake timeout passes (it was held two minutes)."""
+    import socket
+    import time
+
+    from splitserve.grpc_options import HANDSHAKE_TIMEOUT_MS, SERVER_OPTIONS
+    from splitserve_worker.server.auth import TokenAuthInterceptor
+
+    guard_s = 3 * HANDSHAKE_TIMEOUT_MS / 1000
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+    def held(port: int, trickle: bool) -> bool:
+        """Whether the connection was still open when the guard ran out."""
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.settimeout(0.25)
+        deadline = time.monotonic() + guard_s
+        try:
+            for i in range(10**6):
+                if trickle:
+                    try:
+                        sock.sendall(preface[i % len(preface) : i % len(preface) + 1])
+                    except (BrokenPipeError, ConnectionResetError):
+                        return False
+                try:
+                    if sock.recv(4096) == b"":
+                        return False
+                except TimeoutError:
+                    pass
+                except ConnectionResetError:
+                    return False
+                if time.monotonic() > deadline:
+                    return True
+            return True
+        finally:
+            sock.close()
+
+    async def scenario() -> None:
+        server = grpc.aio.server(interceptors=[TokenAuthInterceptor(TOKEN)], options=SERVER_OPTIONS)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            silent, trickling = await asyncio.gather(
+                asyncio.to_thread(held, port, False), asyncio.to_thread(held, port, True)
+            )
+            assert not silent, "a silent connection outlived the handshake timeout"
+            assert not trickling, "a preface trickling in outlived the handshake timeout"
+        finally:
+            await server.stop(None)
+
+    asyncio.run(scenario())

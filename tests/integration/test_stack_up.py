@@ -85,3 +85,69 @@ def test_ctrl_c_stops_router_and_every_worker(tiny_model_path: Path) -> None:
     while any(alive(p) for p in workers) and time.monotonic() - t0 < 10:
         time.sleep(0.1)
     assert not any(alive(p) for p in workers)
+
+
+def cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def wait_for(proc: subprocess.Popen[str], words: str, timeout_s: float = 300) -> list[str]:
+    """The lines ``proc`` printed up to one holding ``words``."""
+    assert proc.stdout is not None
+    lines = []
+    deadline = time.monotonic() + timeout_s
+    for line in proc.stdout:
+        lines.append(line)
+        if words in line or time.monotonic() > deadline:
+            break
+    assert any(words in line for line in lines), "".join(lines)
+    return lines
+
+
+@pytest.mark.parametrize("where", ["file", "environment"])
+def test_up_takes_the_api_key_from_a_file_or_the_environment_never_a_command_line(
+    tiny_model_path: Path, tmp_path: Path, where: str
+) -> None:
+    """``up`` had only ``--api-key`` (the key in ``ps``) and ignored SPLITSERVE_API_KEY
+    (its router was open). Now the key comes from ``--api-key-file`` or the environment,
+    the router requires it, and no process of the stack has a secret on its command line
+    (the workers' token travels in a private file)."""
+    import httpx
+
+    key = "sk-up-" + os.urandom(8).hex()
+    env = {k: v for k, v in os.environ.items() if k != "SPLITSERVE_API_KEY"}
+    extra: list[str] = []
+    if where == "file":
+        (tmp_path / "key").write_text(key + "\n")
+        extra = ["--api-key-file", str(tmp_path / "key")]
+    else:
+        env["SPLITSERVE_API_KEY"] = key
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitserve.cli", "up", "--model", str(tiny_model_path),
+         "--prefill", "0", "--decode", "1", "--port", "0", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    )  # fmt: skip
+    try:
+        lines = wait_for(proc, "press Ctrl-C to stop")
+        base = next(line.split(" on ")[1].split("/v1")[0] for line in lines if "OpenAI API" in line)
+        workers = children_of(proc.pid)
+        assert workers, "the stack started no worker process"
+        lines_of = {pid: cmdline(pid) for pid in [proc.pid, *workers]}
+        tokens = []
+        for args in lines_of.values():
+            if "--token-file" in args:
+                tokens.append(Path(args[args.index("--token-file") + 1]).read_text().strip())
+        assert len(tokens) == len(workers) and all(tokens)
+        for pid, args in lines_of.items():
+            for secret in (key, *tokens):
+                assert not any(secret in a for a in args), f"a secret on {pid}'s command line"
+            if pid != proc.pid:
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
+                assert key.encode() not in environ, "a worker was handed the API key"
+        models = f"{base}/v1/models"
+        assert httpx.get(models, timeout=30).status_code == 401
+        ok = httpx.get(models, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert ok.status_code == 200, ok.text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)

@@ -9,6 +9,7 @@ import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import torch
@@ -93,7 +94,9 @@ async def bare_decode(
     tls: ssl.SSLContext | None = None,
     limits: Limits | None = None,
     token: str = TOKEN,
+    **pacing: Any,
 ) -> AsyncIterator[BareDecode]:
+    """A decode side with no engine; ``pacing``: the tcp port's ``clock`` and ``sleep``."""
     c = compat
     pool = torch.zeros(c.num_layers, 2, num_blocks, c.block_size, c.kv_heads, c.head_dim)
     clock = FakeClock()
@@ -111,7 +114,7 @@ async def bare_decode(
                   server)  # fmt: skip
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    tcp = start_tcp_server(handoff, "127.0.0.1", 0, token, tls, limits)
+    tcp = start_tcp_server(handoff, "127.0.0.1", 0, token, tls, limits, **pacing)
     try:
         yield BareDecode(c, pool, leases, clock, handoff, engine, receivers,
                          f"127.0.0.1:{port}", tcp)  # fmt: skip

@@ -35,7 +35,7 @@ async def split_request(
 ) -> tuple[list[int], pb.PrefillResponse]:
     """``prompt`` prefilled on ``p``, its KV moved over ``backend`` and decoded on ``d``:
     the tokens ``d`` streamed and ``p``'s PrefillResponse."""
-    handle = await d.reserve(rid, len(prompt), kv_backend=backend)
+    handle = await d.reserve(rid, len(prompt), (await p.health()).compat, kv_backend=backend)
     assert handle.kv_backend == backend
     gen = asyncio.ensure_future(collect(d.generate(rid, prompt, sp, expect_remote_kv=True)))
     try:

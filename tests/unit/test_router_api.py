@@ -274,7 +274,7 @@ def test_every_route_needs_the_key_unless_documented_open(tokenizer: Any) -> Non
 def test_tokenize_and_detokenize_use_the_served_tokenizer(tokenizer: Any) -> None:
     """vLLM's ``/tokenize`` and ``/detokenize``: the ids completions and chat would send."""
     from splitserve_worker.router.api_models import ChatTemplating
-    from splitserve_worker.router.tokens import chat_prompt
+    from splitserve_worker.router.tokenizer_pool import chat_prompt
 
     with make_client(tokenizer, api_key="k") as c:
         key = {"Authorization": "Bearer k"}

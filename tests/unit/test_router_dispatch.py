@@ -1,156 +1,22 @@
-"""The dispatcher's retry, migration and cleanup logic, against in-memory workers.
-
-The in-memory workers follow the WorkerConn protocol; their "model" is a pure
-function of the sequence so far, so a migrated request must continue exactly.
-Real worker processes are exercised in tests/integration/test_router_faults.py.
+"""The dispatcher's retry, migration and cleanup logic, against in-memory workers
+(``tests/support/mem_workers.py``). Real worker processes are exercised in
+tests/integration/test_router_faults.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
 import pytest
-from splitserve.metric_registry import Metrics
-from splitserve.roles import Role
+from mem_workers import MemWorker, collect, expected, make, run
 from splitserve.sampling import SamplingParams
-from splitserve.v1 import worker_pb2 as pb
-from splitserve_worker.router.config import QueueConfig, RouterConfig, TimeoutConfig
-from splitserve_worker.router.discovery import WorkerEndpoint
-from splitserve_worker.router.dispatch import Dispatcher, GenRequest
+from splitserve_worker.router.config import QueueConfig
+from splitserve_worker.router.dispatch import GenRequest
 from splitserve_worker.router.failures import RequestFailed
-from splitserve_worker.router.planner import RoutePlanner
-from splitserve_worker.router.pool import WorkerPool
 
 pytestmark = pytest.mark.unit
-
-ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE, "both": pb.ROLE_BOTH}
-
-
-def next_token(seq: Sequence[int]) -> int:
-    return (sum(seq) * 31 + len(seq)) % 97
-
-
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details, None)
-
-
-class MemWorker:
-    """A worker in memory: fails on request, records what it was asked."""
-
-    def __init__(self, name: str, role: str) -> None:
-        self.address = name
-        self.role = role
-        self.fail_prefill: grpc.StatusCode | None = None
-        self.fail_generate_after: int | None = None  # tokens before the stream breaks
-        self.fail_code = grpc.StatusCode.UNAVAILABLE
-        self.fail_health = False
-        self.prefill_gate: asyncio.Event | None = None  # prefill waits for it when set
-        self.cancelled: list[str] = []
-        self.reserved: list[str] = []
-        self.generated: list[tuple[str, tuple[int, ...], int]] = []
-        self.prefilled: list[str] = []
-
-    async def health(self, timeout: float) -> pb.HealthResponse:
-        if self.fail_health:
-            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer")
-        return pb.HealthResponse(
-            role=ROLES[self.role],
-            free_blocks=100,
-            total_blocks=100,
-            compat=pb.CompatInfo(hash="h", num_layers=2, kv_heads=1, head_dim=4, dtype="float32"),
-        )
-
-    async def events(self) -> AsyncIterator[pb.KVEvent]:
-        await asyncio.Event().wait()
-        yield pb.KVEvent()
-
-    async def reserve(
-        self,
-        request_id: str,
-        n: int,
-        compat: Any = None,
-        lease_seconds: float = 0.0,
-        kv_backend: str = "",
-        timeout: float | None = None,
-    ) -> pb.TransferHandle:
-        self.reserved.append(request_id)
-        return pb.TransferHandle(request_id=request_id, decode_address=self.address)
-
-    async def prefill(
-        self,
-        request_id: str,
-        prompt: Sequence[int],
-        sampling: SamplingParams,
-        handle: Any,
-        timeout: float,
-    ) -> pb.PrefillResponse:
-        self.prefilled.append(request_id)
-        if self.prefill_gate is not None:
-            await self.prefill_gate.wait()
-        if self.fail_prefill is not None:
-            raise rpc_error(self.fail_prefill, "prefill broke")
-        return pb.PrefillResponse(request_id=request_id, first_token=next_token(prompt))
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt: Sequence[int],
-        sampling: SamplingParams,
-        expect_remote_kv: bool,
-        timeout: float,
-    ) -> AsyncIterator[pb.TokenChunk]:
-        self.generated.append((request_id, tuple(prompt), sampling.max_tokens))
-        seq = list(prompt)
-        for i in range(sampling.max_tokens):
-            if self.fail_generate_after is not None and i >= self.fail_generate_after:
-                raise rpc_error(self.fail_code, "stream broke")
-            seq.append(next_token(seq))
-            last = i == sampling.max_tokens - 1
-            yield pb.TokenChunk(
-                request_id=request_id, token_ids=[seq[-1]], finish_reason="length" if last else ""
-            )
-            await asyncio.sleep(0)
-
-    async def cancel(self, request_id: str, timeout: float) -> bool:
-        self.cancelled.append(request_id)
-        return True
-
-    async def close(self, grace: float | None = None) -> None:
-        return None
-
-
-async def make(workers: list[MemWorker], **cfg: Any) -> Dispatcher:
-    config = RouterConfig(timeouts=TimeoutConfig(health_interval_s=60.0), **cfg)
-    planner = RoutePlanner(config)
-    by_name = {w.address: w for w in workers}
-    pool = WorkerPool(lambda ep: by_name[ep.name], planner.index, health_interval_s=60.0)
-    d = Dispatcher(config, pool, planner, lambda toks: [], Metrics())
-    pool._on_change = d.update_capacity
-    pool.set_endpoints([WorkerEndpoint(w.address, Role(w.role), w.address) for w in workers])
-    for _ in range(100):
-        if all(v.healthy for v in pool.snapshot()):
-            break
-        await asyncio.sleep(0.01)
-    return d
-
-
-async def run(d: Dispatcher, prompt: list[int], n: int) -> list[int]:
-    out: list[int] = []
-    async for ev in d.generate(GenRequest("r", tuple(prompt), SamplingParams(max_tokens=n))):
-        out += ev.token_ids
-    await d.drain()
-    return out
-
-
-def expected(prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(next_token(seq))
-    return seq[len(prompt) :]
-
 
 REMOTE = "always"
 
@@ -195,7 +61,7 @@ async def test_worker_lost_while_waiting_for_a_prefill_slot_is_planned_around() 
         await asyncio.sleep(0.001)
     target = "d1" if p1.prefilled[0] not in d1.reserved else "d2"
     second = asyncio.create_task(
-        _collect(disp.generate(GenRequest("s", (4, 5), SamplingParams(max_tokens=3))))
+        collect(disp.generate(GenRequest("s", (4, 5), SamplingParams(max_tokens=3))))
     )
     while disp.prefill_stage.waiting == 0:
         await asyncio.sleep(0.001)
@@ -206,13 +72,6 @@ async def test_worker_lost_while_waiting_for_a_prefill_slot_is_planned_around() 
     assert await second == expected([4, 5], 3)
     lost = d1 if target == "d1" else d2
     assert not any(r.startswith("s.") for r in lost.reserved), lost.reserved
-
-
-async def _collect(gen: AsyncIterator[Any]) -> list[int]:
-    out: list[int] = []
-    async for ev in gen:
-        out += ev.token_ids
-    return out
 
 
 async def test_decode_lost_before_first_token_retries_elsewhere() -> None:
@@ -295,7 +154,7 @@ async def test_requests_queued_for_prefill_spread_over_the_prefill_workers() -> 
     p1.prefill_gate, p2.prefill_gate = asyncio.Event(), asyncio.Event()
     burst = [
         asyncio.create_task(
-            _collect(disp.generate(GenRequest(f"r{i}", (i, i + 1), SamplingParams(max_tokens=2))))
+            collect(disp.generate(GenRequest(f"r{i}", (i, i + 1), SamplingParams(max_tokens=2))))
         )
         for i in range(12)
     ]

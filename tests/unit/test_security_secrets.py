@@ -112,3 +112,58 @@ def test_api_key_check_is_exact(tmp_path: Path) -> None:
         assert await status(f"bearer {SECRET}") == 200  # the scheme is case-insensitive
 
     asyncio.run(scenario())
+
+
+def test_an_api_key_on_a_command_line_is_refused_saying_what_to_do(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--api-key`` put the key in ``ps`` for every user of the host: ``up`` and
+    ``router`` refuse it and name the file and the environment variable instead."""
+    p = argparse.ArgumentParser()
+    up_cmd.add_arguments(p)
+    assert up_cmd.run(p.parse_args(["--model", "m", "--api-key", SECRET])) == 1
+    err = capsys.readouterr().err
+    assert "--api-key-file" in err and "SPLITSERVE_API_KEY" in err and SECRET not in err
+    p = argparse.ArgumentParser()
+    router_cmd.add_arguments(p)
+    args = p.parse_args(["--model", "m", "--workers", "decode=127.0.0.1:9", "--api-key", SECRET])
+    with pytest.raises(ValueError, match="--api-key-file") as e:
+        router_cmd.build_app(args)
+    assert SECRET not in str(e.value)
+
+
+def test_the_api_key_comes_from_its_file_or_the_environment(tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text(SECRET + "\n")
+    env = {"SPLITSERVE_API_KEY": SECRET + "-env"}
+    assert router_cmd.read_secret(str(key), "SPLITSERVE_API_KEY", env) == SECRET
+    assert router_cmd.read_secret(None, "SPLITSERVE_API_KEY", env) == SECRET + "-env"
+    assert router_cmd.read_secret(None, "SPLITSERVE_API_KEY", {}) is None
+
+
+def test_the_operators_pods_carry_no_secret_on_their_command_lines() -> None:
+    """What the operator renders for the example InferenceService (its router's API key
+    from a Secret): the worker token reaches every pod as a mounted file, the API key as
+    an environment variable from its Secret; no container's command or arguments hold
+    either, nor a flag that would take one."""
+    import yaml
+    from render_helpers import objects
+
+    example = Path(__file__).parents[2] / "charts/splitserve/examples/inferenceservice.yaml"
+    spec = yaml.safe_load(example.read_text())["spec"]
+    objs = objects({k: v for k, v in spec.items() if k not in ("model", "image")})
+    pods = [o["spec"]["template"]["spec"] for o in objs.values() if o["kind"] == "Deployment"]
+    assert len(pods) == 3
+    for pod in pods:
+        for c in pod["containers"] + pod.get("initContainers", []):
+            line = [*c.get("command", []), *c.get("args", [])]
+            assert not any("secret-token" in a for a in line), line
+            assert not any(a in ("--api-key", "--token") for a in line), line
+            for e in c.get("env", []):
+                if any(w in e["name"] for w in ("KEY", "TOKEN", "SECRET", "PASSWORD")):
+                    assert "value" not in e and "secretKeyRef" in e["valueFrom"], e
+    keyed = [e for p in pods for c in p["containers"] for e in c.get("env", [])
+             if e["name"] == "SPLITSERVE_API_KEY"]  # fmt: skip
+    assert keyed, "the example's API key does not reach the router"
+    secrets_ = [o for o in objs.values() if o["kind"] == "Secret"]
+    assert [s["stringData"] for s in secrets_] == [{"token": "secret-token"}]

@@ -3,7 +3,7 @@ prefill server's (Release and Commit on the decode worker), the tests' and the b
 
     client = WorkerClient("127.0.0.1:7001", token)
     h = await client.health()
-    handle = await client.reserve("req-1", len(prompt), compat=h.compat)    # decode worker
+    handle = await client.reserve("req-1", len(prompt), h.compat)    # decode worker
     first = await prefill_client.prefill("req-1", prompt, sampling, handle)  # prefill worker
     async for chunk in client.generate("req-1", prompt, sampling, expect_remote_kv=True):
         ...  # the first chunk carries first.first_token again; the last has finish_reason
@@ -126,22 +126,22 @@ class WorkerClient:
         self,
         request_id: str,
         num_prompt_tokens: int,
-        compat: pb.CompatInfo | None = None,
+        compat: pb.CompatInfo,
         lease_seconds: float = 0.0,
         kv_backend: str = "",
         timeout: float | None = None,
     ) -> pb.TransferHandle:
-        """Reserve blocks on a decode worker; ``compat`` (e.g. the prefill worker's
-        ``health().compat``) is checked before anything is held. ``lease_seconds`` 0 and
-        ``kv_backend`` "" take the worker's defaults."""
+        """Reserve blocks on a decode worker for KV of ``compat`` (the prefill worker's
+        ``health().compat``), checked before anything is held. ``lease_seconds`` 0 and
+        ``kv_backend`` "" take the worker's defaults; a lease longer than the worker's
+        ``--max-lease-seconds`` is cut to it."""
         req = pb.ReserveRequest(
             request_id=request_id,
             num_prompt_tokens=num_prompt_tokens,
+            compat=compat,
             lease_seconds=lease_seconds,
             kv_backend=kv_backend,
         )
-        if compat is not None:
-            req.compat.CopyFrom(compat)
         resp: pb.ReserveResponse = await self._stub.Reserve(
             req, metadata=self._md, timeout=timeout or self.timeout
         )

@@ -298,7 +298,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("role", "compat", "free_blocks", "total_blocks", "running", "waiting", "tokens_in_flight", "version", "kv_backends", "leases", "prefilling")
+    __slots__ = ("role", "compat", "free_blocks", "total_blocks", "running", "waiting", "tokens_in_flight", "version", "kv_backends", "leases", "prefilling", "instance_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     COMPAT_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +310,7 @@ class HealthResponse(_message.Message):
     KV_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     PREFILLING_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     role: Role
     compat: CompatInfo
     free_blocks: int
@@ -321,7 +322,8 @@ class HealthResponse(_message.Message):
     kv_backends: _containers.RepeatedScalarFieldContainer[str]
     leases: int
     prefilling: int
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., compat: _Optional[_Union[CompatInfo, _Mapping]] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., version: _Optional[str] = ..., kv_backends: _Optional[_Iterable[str]] = ..., leases: _Optional[int] = ..., prefilling: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., compat: _Optional[_Union[CompatInfo, _Mapping]] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., version: _Optional[str] = ..., kv_backends: _Optional[_Iterable[str]] = ..., leases: _Optional[int] = ..., prefilling: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class KVEvent(_message.Message):
     __slots__ = ("kind", "block_hashes", "seq")

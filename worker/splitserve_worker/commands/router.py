@@ -19,6 +19,10 @@ from pathlib import Path
 from typing import Any
 
 API_KEY_ENV = "SPLITSERVE_API_KEY"
+SECRET_ON_COMMAND_LINE = (
+    "--api-key would show the key to every user of this host (ps, /proc): put it in a "
+    f"file and pass --api-key-file FILE, or set {API_KEY_ENV}"
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,9 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key-file", default=None, help=f"file holding the API key (or ${API_KEY_ENV})"
     )
-    p.add_argument(
-        "--api-key", default=None, help="API key clients must send (prefer --api-key-file)"
-    )
+    p.add_argument("--api-key", default=None, help=argparse.SUPPRESS)  # refused: a secret
     p.add_argument(
         "--config", default=None, help="router settings, YAML or JSON (see RouterConfig)"
     )
@@ -129,13 +131,15 @@ def set_path(data: dict[str, Any], item: str) -> None:
     node[path[-1]] = value
 
 
-def read_secret(path: str | None, env: str) -> str | None:
+def read_secret(path: str | None, env: str, environ: dict[str, str] | None = None) -> str | None:
+    """A secret from the file ``path``, else from the environment variable ``env``, else
+    None (never from a command line)."""
     if path:
         value = Path(path).read_text().strip()
         if not value:
             raise ValueError(f"{path} is empty")
         return value
-    return os.environ.get(env, "").strip() or None
+    return (os.environ if environ is None else environ).get(env, "").strip() or None
 
 
 def load_tokenizer(model: str) -> Any:
@@ -171,8 +175,10 @@ def build_app(args: argparse.Namespace, **overrides: Any) -> Any:
     from splitserve_worker.router.service import RouterService
     from splitserve_worker.server.auth import TOKEN_ENV, load_token
 
+    if args.api_key is not None:
+        raise ValueError(SECRET_ON_COMMAND_LINE)
     token = load_token(args.token_file) if (args.token_file or os.environ.get(TOKEN_ENV)) else None
-    api_key = args.api_key or read_secret(args.api_key_file, API_KEY_ENV)
+    api_key = read_secret(args.api_key_file, API_KEY_ENV)
     cfg = load_config(args, worker_token=token, api_key=api_key, **overrides)
     service = RouterService(cfg, load_tokenizer(args.model), make_discovery(args))
     return create_app(service)
@@ -180,6 +186,8 @@ def build_app(args: argparse.Namespace, **overrides: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
+
+    from splitserve_worker.router.http_server import server_config
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -190,5 +198,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"router: OpenAI API on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    uvicorn.Server(server_config(app, args.host, args.port, log_level=args.log_level)).run()
     return 0

@@ -3,7 +3,10 @@
     splitserve up --model smollm2-135m --prefill 1 --decode 1 [--colocated K] [--demo]
 
 Workers run as ``splitserve worker`` child processes (each prints ``READY host:port``
-once it serves); the router runs in this process. Ctrl-C (or SIGTERM) stops the
+once it serves); the router runs in this process. The router's API key comes from
+``--api-key-file`` or ``SPLITSERVE_API_KEY``, the workers' token from a private file:
+no secret is ever on a command line (``ps`` shows those to every user of the host), and
+the children's environment carries no API key. Ctrl-C (or SIGTERM) stops the
 router and terminates every child; children also die with this process (Linux
 parent-death signal), so none is left behind. ``--demo`` sends one chat question,
 streams the answer, prints TTFT and TPOT, and exits.
@@ -32,6 +35,7 @@ from typing import Any
 
 from splitserve.roles import Role
 
+from splitserve_worker.commands.router import API_KEY_ENV, SECRET_ON_COMMAND_LINE, read_secret
 from splitserve_worker.commands.worker import METRICS_PREFIX, READY_PREFIX
 from splitserve_worker.router.discovery import WorkerEndpoint
 
@@ -96,7 +100,7 @@ class WorkerProcs(AbstractContextManager["WorkerProcs"]):
         ]  # fmt: skip
 
     def _spawn(self, role: Role) -> WorkerProc:
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}  # not theirs to hold
         env.setdefault("OMP_NUM_THREADS", str(self.threads))
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         proc = subprocess.Popen(
@@ -195,11 +199,9 @@ async def serve_router(app: Any, host: str, port: int) -> tuple[Any, asyncio.Tas
     """Starts uvicorn in this loop; returns (server, task, port) once it listens."""
     import uvicorn
 
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", access_log=False,
-        timeout_graceful_shutdown=3, lifespan="on",
-    )  # fmt: skip
-    server = uvicorn.Server(config)
+    from splitserve_worker.router.http_server import server_config
+
+    server = uvicorn.Server(server_config(app, host, port, timeout_graceful_shutdown=3))
     server.capture_signals = lambda: _quiet_uvicorn_signals(server)  # type: ignore[method-assign]
     task = asyncio.create_task(server.serve())
     for _ in range(600):
@@ -275,7 +277,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--port", type=int, default=8000, help="router HTTP port on 127.0.0.1 (0: any free port)"
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--api-key", default=None, help="require this API key on the router")
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help=f"file holding the API key the router requires (or ${API_KEY_ENV})",
+    )
+    p.add_argument("--api-key", default=None, help=argparse.SUPPRESS)  # refused: see below
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra argument passed to every worker (repeatable)")  # fmt: skip
     p.add_argument("--demo", action="store_true", help="ask one question, print TTFT/TPOT, exit")
@@ -289,6 +296,12 @@ async def _main(args: argparse.Namespace) -> int:
     from splitserve_worker.router.discovery import StaticDiscovery
     from splitserve_worker.router.service import RouterService
 
+    if args.api_key is not None:
+        raise StackError(SECRET_ON_COMMAND_LINE)
+    try:
+        api_key = read_secret(args.api_key_file, API_KEY_ENV)
+    except (OSError, ValueError) as e:
+        raise StackError(f"cannot read the API key: {e}") from None
     roles = stack_roles(args.prefill, args.decode, args.colocated)
     check_port_free("127.0.0.1", args.port)
     # once, before any worker: a wrong name fails here, and the workers find the built-in
@@ -315,7 +328,7 @@ async def _main(args: argparse.Namespace) -> int:
         endpoints = starting.result()
         cfg = RouterConfig(
             model_name=args.model, kv_backend=args.kv_backend, worker_token=token,
-            api_key=args.api_key, max_model_len=model_context_limit(args.model),
+            api_key=api_key, max_model_len=model_context_limit(args.model),
         )  # fmt: skip
         service = RouterService(cfg, tokenizer, StaticDiscovery(endpoints))
         server, task, port = await serve_router(create_app(service), "127.0.0.1", args.port)
@@ -323,11 +336,12 @@ async def _main(args: argparse.Namespace) -> int:
         try:
             if not await service.wait_ready(60):
                 raise StackError("no decode worker answered Health within 60 s")
-            print(f"router: OpenAI API on {base}/v1 (model {args.model!r})", flush=True)
+            key = ", API key required" if api_key else ""
+            print(f"router: OpenAI API on {base}/v1 (model {args.model!r}{key})", flush=True)
             for ep in endpoints:
                 print(f"  worker {ep.role.value:8s} {ep.address}", flush=True)
             if args.demo:
-                await demo(base, args.model, args.api_key)
+                await demo(base, args.model, api_key)
             else:
                 print("press Ctrl-C to stop", flush=True)
                 await stop.wait()

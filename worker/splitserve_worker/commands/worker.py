@@ -76,6 +76,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="reserved blocks are freed if their KV is not committed in this time",
     )
     p.add_argument(
+        "--max-lease-seconds",
+        type=float,
+        default=300.0,
+        help="longest lease a Reserve gets, whatever it asks for (--lease-seconds when longer)",
+    )
+    p.add_argument(
         "--token-file",
         default=None,
         help=f"file holding the shared worker token (default: ${TOKEN_ENV})",
@@ -169,6 +175,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         device=args.device,
         kv_backend=args.kv_backend,
         lease_seconds=args.lease_seconds,
+        max_lease_seconds=args.max_lease_seconds,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         num_blocks=args.num_blocks,

@@ -9,8 +9,11 @@ kernel copies it there. Any refusal is an ERROR answer that ends that connection
 bytes the sender still had in flight are read and dropped for a moment
 (:attr:`Limits.drain_s`) so that it reads the answer rather than a reset.
 
-Bounds: connections in all and per peer address, pushes (leases) open per connection, a
-handshake timeout and an idle timeout; every length is checked before use.
+Bounds: connections in all and per peer address, handshakes under way per peer (a peer
+without the token cannot hold the slots of those with it), pushes (leases) open per
+connection, a handshake timeout and an idle timeout, and a frame rate per peer (a flood of
+tiny frames waits its turn, its thread asleep, rather than take the interpreter from the
+engine); every length is checked before use.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -49,6 +53,33 @@ class Limits:
     drain_s: float = 1.0
     """After an ERROR answer, how long the sender's bytes in flight are read and dropped
     before the close."""
+    max_handshakes_per_peer: int = 8
+    """Connections from one peer address that have not yet proved the token (a sender
+    proves it in one round trip; more wait for none)."""
+    frames_per_s: float = 20_000.0
+    """Frames one peer's connections are served per second together, once its burst is
+    spent: a sender cuts spans of about 4 MiB, so this is 80 GB/s of real pushes, while a
+    flood of tiny frames is paced to it (each frame costs the interpreter the same)."""
+    frame_burst: int = 2_000
+    """Frames a peer may send at once before the pace applies."""
+
+
+class FrameBudget:
+    """A token bucket: ``rate`` frames per second, ``burst`` at once. Pure: the caller
+    says what time it is and sleeps as long as :meth:`take` says."""
+
+    def __init__(self, rate: float, burst: int, now: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._level = float(burst)
+        self._at = now
+
+    def take(self, now: float) -> float:
+        """Spend one frame at ``now``: how many seconds to wait before serving it."""
+        self._level = min(float(self.burst), self._level + (now - self._at) * self.rate)
+        self._at = now
+        self._level -= 1.0
+        return 0.0 if self._level >= 0 else -self._level / self.rate
 
 
 class Refused(Exception):
@@ -87,6 +118,8 @@ class _Connection:
         self._sock = sock
         self.peer = peer
         self._stop = [False]
+        self.shaking = True
+        """Still in the handshake (counted against the peer's handshakes)."""
         self._open: set[str] = set()
         self._sink: SpanSink | None = None
 
@@ -127,6 +160,7 @@ class _Connection:
         if refusal is not None:
             self._refuse(refusal)
             return False
+        self._server.shook(self)
         send_all(self._sock, [wire.ready()])
         self._sock.settimeout(limits.idle_timeout_s)
         self._sink = self._server.sinks(self.abort)
@@ -144,6 +178,7 @@ class _Connection:
                 return  # a close between pushes
             if got < len(head):
                 recv_into(self._sock, [view[got:]])
+            self._server.pace(self.peer, self._stop)  # each frame waits its turn
             frame = wire.parse_frame(head)
             if frame.kind == wire.SPAN:
                 self._span(frame)
@@ -205,6 +240,8 @@ class TcpServer:
         sinks: Callable[[Callable[[], None]], SpanSink],
         tls: ssl.SSLContext | None = None,
         limits: Limits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         if not token:
             raise ValueError("the KV port needs the worker token")
@@ -225,6 +262,10 @@ class TcpServer:
         self._lock = threading.Lock()
         self._conns: dict[int, _Connection] = {}
         self._per_peer: dict[str, int] = {}
+        self._shaking: dict[str, int] = {}
+        self._budgets: dict[str, FrameBudget] = {}
+        self._clock = clock
+        self._sleep = sleep
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="kv-tcp-accept", daemon=True)
         self._thread.start()
@@ -249,7 +290,39 @@ class TcpServer:
                 f"{limits.max_per_peer} KV connections from {peer} are open already: lower "
                 "the prefill worker's concurrent pushes or --kv-streams",
             )
+        if self._shaking.get(peer, 0) >= limits.max_handshakes_per_peer:
+            return Refusal(
+                Status.RESOURCE_EXHAUSTED,
+                f"{limits.max_handshakes_per_peer} KV connections from {peer} have not sent "
+                "their hello yet: send it before opening more",
+            )
         return None
+
+    def shook(self, conn: _Connection) -> None:
+        """``conn`` proved the token: it no longer counts as a handshake."""
+        with self._lock:
+            self._end_handshake(conn)
+
+    def _end_handshake(self, conn: _Connection) -> None:
+        if conn.shaking:
+            conn.shaking = False
+            left = self._shaking.get(conn.peer, 1) - 1
+            if left:
+                self._shaking[conn.peer] = left
+            else:
+                self._shaking.pop(conn.peer, None)
+
+    def pace(self, peer: str, stop: list[bool]) -> None:
+        """Wait (asleep, any thread) until ``peer``'s next frame is within its rate."""
+        with self._lock:
+            budget = self._budgets.get(peer)
+            if budget is None:
+                budget = FrameBudget(self.limits.frames_per_s, self.limits.frame_burst,
+                                     self._clock())  # fmt: skip
+                self._budgets[peer] = budget
+            wait = budget.take(self._clock())
+        if wait > 0 and not stop[0]:
+            self._sleep(wait)
 
     def _accept(self) -> None:
         while True:
@@ -272,6 +345,7 @@ class TcpServer:
                 if refusal is None:
                     self._conns[id(conn)] = conn
                     self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+                    self._shaking[peer] = self._shaking.get(peer, 0) + 1
             if refusal is not None:
                 self._turn_away(sock, refusal)
                 continue
@@ -294,11 +368,13 @@ class TcpServer:
         finally:
             with self._lock:
                 self._conns.pop(id(conn), None)
+                self._end_handshake(conn)
                 left = self._per_peer.get(conn.peer, 1) - 1
                 if left:
                     self._per_peer[conn.peer] = left
                 else:
                     self._per_peer.pop(conn.peer, None)
+                    self._budgets.pop(conn.peer, None)  # a peer's pace lives with its connections
 
     def close(self) -> None:
         """Stop accepting and cut every connection (their pushes fail; threads exit)."""

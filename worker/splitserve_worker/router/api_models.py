@@ -7,10 +7,11 @@ only at their neutral value.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from splitserve.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from splitserve.sampling import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
@@ -19,10 +20,43 @@ MAX_CHOICES = 16
 MAX_COMPLETIONS = 64
 """Most completions per request, prompts of a batch times ``n``."""
 MAX_BIASED_TOKENS = 1024
+MAX_TOKEN_ID_DIGITS = 10
+"""A token id is an int32: ``logit_bias`` keys longer than this are refused unread."""
+
+STRICT = ConfigDict(extra="forbid", strict=True)
+"""Every request model: unknown fields refused by name, and no coercion where the OpenAI
+API is typed (``max_tokens: "2"`` or ``true`` is not an integer; an integer is a number)."""
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def unicode_problem(text: str) -> str | None:
+    """Why ``text`` cannot be sent as UTF-8 (a lone surrogate, which JSON's ``\\ud800``
+    escapes can make), or None. Cheap for ASCII, which needs no look."""
+    if text.isascii():
+        return None
+    bad = _SURROGATE.search(text)
+    if bad is None:
+        return None
+    return (
+        f"holds a lone surrogate ({bad.group()!r}) at character {bad.start()}: send valid "
+        "Unicode (a surrogate pair's two escapes together, or the character itself)"
+    )
+
+
+def _text(value: str) -> str:
+    problem = unicode_problem(value)
+    if problem is not None:
+        raise ValueError(f"the text {problem}")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_text)]
+"""A string the workers and the tokenizer can take: valid Unicode (no lone surrogates)."""
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False
     """vLLM's: every chunk carries the usage so far."""
@@ -31,7 +65,7 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """Fields shared by both endpoints."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str = Field(default="", max_length=512)
     max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
@@ -39,7 +73,7 @@ class _Sampling(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1, le=1_000_000)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -47,12 +81,12 @@ class _Sampling(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_BIASED_TOKENS)
     """Token id (as a string, as OpenAI's) -> a bias added to its logit before sampling."""
-    user: str | None = Field(default=None, max_length=512)
+    user: Text | None = Field(default=None, max_length=512)
     # vLLM extensions
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=1_000_000)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=64)
     return_token_ids: bool = False
     """Also return the generated token ids in each choice (``token_ids``)."""
@@ -79,6 +113,11 @@ class _Sampling(BaseModel):
             digits = key.strip()
             if not (digits.isascii() and digits.isdigit()):
                 raise ValueError(f"logit_bias keys must be token ids such as '1234', got {key!r}")
+            if len(digits) > MAX_TOKEN_ID_DIGITS:
+                raise ValueError(
+                    f"logit_bias keys must be token ids such as '1234', got a key of "
+                    f"{len(digits)} digits"
+                )
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN fails this too
                 raise ValueError(
                     f"logit_bias of token {key} must be in [-{MAX_LOGIT_BIAS:g}, "
@@ -123,14 +162,14 @@ def _is_batch(prompt: Any) -> bool:
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | TokenIds | list[str] | list[TokenIds]
+    prompt: Text | TokenIds | list[Text] | list[TokenIds]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     """The chosen token's logprob and this many of the most likely ones at each position."""
     echo: bool = False
     """Put the prompt's text before the completion's (with ``logprobs``: the prompt's
     tokens and their logprobs before the completion's)."""
     best_of: int | None = Field(default=None, ge=1, le=1)
-    suffix: str | None = None
+    suffix: Text | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -167,16 +206,16 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = Field(default=None, max_length=256)
+    content: Text | list[TextPart]
+    name: Text | None = Field(default=None, max_length=256)
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -196,7 +235,7 @@ TEMPLATE_ARGS = frozenset(
 class ChatTemplating(BaseModel):
     """How a chat becomes a prompt: vLLM's options over the model's chat template."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     add_generation_prompt: bool = True
     """End the prompt with the template's opening of an assistant turn."""
@@ -227,7 +266,7 @@ def check_template_options(chat: Any) -> None:
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: Literal["text"]
     """Plain text only: no JSON mode or schema-constrained decoding."""
 

@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from splitserve.roles import DECODE_ROLES
 from starlette.background import BackgroundTask
@@ -21,6 +21,7 @@ from splitserve_worker.router import errors, jobs, streaming, tokens
 from splitserve_worker.router.api_key import require_api_key
 from splitserve_worker.router.api_models import ChatCompletionRequest, CompletionRequest
 from splitserve_worker.router.body_limit import BodyLimit
+from splitserve_worker.router.catch_all import CatchAll
 from splitserve_worker.router.failures import RequestFailed
 from splitserve_worker.router.queues import Saturated
 from splitserve_worker.router.request_metrics import RequestMetrics
@@ -47,10 +48,12 @@ def create_app(service: RouterService) -> FastAPI:
             await service.stop()
 
     app = FastAPI(title="splitserve router", version="1", lifespan=lifespan)
+    app.state.http = service.config.http  # the server's connection bounds (http_server)
     errors.install(app)
     app.add_middleware(BodyLimit, limit=service.config.max_request_bytes)
+    app.add_middleware(CatchAll)  # added last: the outermost, it sees what nothing answered
     api_key = Depends(require_api_key(service.config))
-    cfg, tok = service.config, service.tokenizer
+    cfg, tok = service.config, service.tokenizing
     start = streaming.dispatch_start(service.dispatcher)
     record = RequestMetrics(service.metrics)
 
@@ -64,8 +67,8 @@ def create_app(service: RouterService) -> FastAPI:
                 await streaming.admit(choices, service.dispatcher.decode_stage)
             except Saturated as e:
                 raise errors.from_saturated(e) from None
-            return StreamingResponse(
-                streaming.sse_stream(choices, start, record),
+            return streaming.SSEResponse(
+                streaming.sse_stream(choices, start, record, cfg.queues.max_stream_backlog),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
                 # frees the slots if the stream never started (client gone before it)
@@ -81,11 +84,11 @@ def create_app(service: RouterService) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=[api_key])
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        return await respond(request, jobs.completion_jobs(body, cfg, tok), body)
+        return await respond(request, await jobs.completion_jobs(body, cfg, tok), body)
 
     @app.post("/v1/chat/completions", dependencies=[api_key])
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        prompt = tokens.chat_prompt(tok, cfg.model_name, body)
+        prompt = await tok.chat(cfg.model_name, body)
         job = jobs.make_job("chat.completion", body, prompt, cfg, tok)
         job.echo = body.echoed()
         return await respond(request, [job], body)

@@ -8,9 +8,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from fastapi import HTTPException
-from fastapi.responses import JSONResponse
 
-from splitserve_worker.router.errors import error_body
+from splitserve_worker.router.errors import ErrorJSON, error_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -38,7 +37,7 @@ class BodyLimit:
             return
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            response = JSONResponse(error_body(413, too_large(self.limit)), status_code=413)
+            response = ErrorJSON(error_body(413, too_large(self.limit)), status_code=413)
             await response(scope, receive, send)
             return
         seen = 0

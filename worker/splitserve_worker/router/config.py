@@ -78,6 +78,10 @@ class QueueConfig:
     """Longest a request waits in one queue before it is refused with 503."""
     retry_after_s: int = 1
     """Value of the Retry-After header on 429/503 answers, in seconds."""
+    max_stream_backlog: int = 1024
+    """Token events a streamed request may have waiting for its client (all its choices
+    together), beyond what the connection itself buffers: a client further behind has
+    stopped reading, and its request is ended on the workers (KV and decode slot freed)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -150,6 +154,31 @@ class TimeoutConfig:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    """Bounds on the router's HTTP connections, so slow or greedy clients cannot hold
+    the server (seconds, connections)."""
+
+    header_timeout_s: float = 10.0
+    """A request's head (request line and headers) must arrive whole within this, from
+    the connection's start or the request's first byte: a client sending its headers a
+    byte at a time is let go."""
+    body_timeout_s: float = 60.0
+    """A request's body must arrive whole within this once its head has (64 MiB at
+    about 1 MB/s)."""
+    keep_alive_s: float = 5.0
+    """How long an idle connection is kept between requests."""
+    max_connections_per_peer: int = 1024
+    """Connections served at once from one client address; more are refused with 503.
+    Behind a proxy every client has the proxy's address: raise it there."""
+    max_connections: int = 4096
+    """Connections (and requests in flight) served at once in all; more get 503."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _positive(f"http.{f.name}", getattr(self, f.name))
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """Everything the router needs besides its workers."""
 
@@ -174,11 +203,15 @@ class RouterConfig:
     """KV transport asked of decode workers on Reserve: 'tcp', 'grpc' or 'nixl'."""
     max_retries: int = 2
     """Retries on another worker after a worker failure (each failure counts once)."""
+    tokenizer_threads: int = 2
+    """Threads that tokenize, template and decode off the event loop (the tokenizer
+    releases the interpreter while it works, so they run beside the loop)."""
     prefill_weights: PrefillWeights = field(default_factory=PrefillWeights)
     decode_weights: DecodeWeights = field(default_factory=DecodeWeights)
     queues: QueueConfig = field(default_factory=QueueConfig)
     cost: CostModelConfig = field(default_factory=CostModelConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -186,6 +219,7 @@ class RouterConfig:
         _positive("default_max_tokens", self.default_max_tokens)
         _positive("max_request_bytes", self.max_request_bytes)
         _non_negative("max_retries", self.max_retries)
+        _positive("tokenizer_threads", self.tokenizer_threads)
         if self.disaggregation not in ("auto", "always", "never"):
             raise ConfigError(
                 f"disaggregation must be 'auto', 'always' or 'never', got {self.disaggregation!r}"

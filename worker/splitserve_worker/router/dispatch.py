@@ -46,15 +46,18 @@ from splitserve_worker.client import top_from_proto
 from splitserve_worker.router.config import RouterConfig
 from splitserve_worker.router.failures import (
     LOST_CODES,
+    UNSENDABLE,
     AttemptFailed,
     RequestFailed,
     Stale,
     rpc_code,
     rpc_details,
+    unsendable,
 )
 from splitserve_worker.router.planner import NoWorker, Plan, RoutePlanner
 from splitserve_worker.router.pool import WorkerPool
 from splitserve_worker.router.queues import Admission, Stage
+from splitserve_worker.router.scoring import WorkerView
 from splitserve_worker.router.worker_conn import PromptScores, WorkerConn
 
 log = logging.getLogger(__name__)
@@ -80,6 +83,10 @@ class TokenEvent:
     prompt_logprobs: PromptScores | None = None
     """With the first token, when asked for."""
 
+
+ATTEMPT_BUFFER = 64
+"""Token chunks read ahead from a worker's stream for one attempt; past that the stream
+waits (gRPC's flow control holds the worker's sends) until the request takes them."""
 
 MAX_REPLANS = 8
 """Most times one request is planned again from the top because no worker fitted it
@@ -137,6 +144,8 @@ class Dispatcher:
         try:
             produced: list[int] = []
             failed: set[str] = set()
+            """Identities of the workers this request failed on (restarted, one is new)."""
+            last: AttemptFailed | None = None
             failures = 0
             attempt = 0
             replans = 0
@@ -151,7 +160,7 @@ class Dispatcher:
                     prompt_logprobs=None if produced else req.sampling.prompt_logprobs,
                 )
                 hashes, excluded = self.hasher(prompt), frozenset(failed)
-                plan = await self._plan(prompt, hashes, excluded)
+                plan = await self._plan(prompt, hashes, excluded, last)
                 rid = f"{req.request_id}.{attempt}"
                 attempt += 1
                 try:
@@ -174,9 +183,10 @@ class Dispatcher:
                     ) from None
                 except AttemptFailed as e:
                     failures += 1
-                    failed.add(e.worker)
+                    failed.add(e.identity)
+                    last = e
                     if e.lost:
-                        self.pool.mark_failed(e.worker, e.detail)
+                        self.pool.mark_failed(e.worker, e.detail, e.instance)
                     reason = "migrate" if produced and e.reason == "decode_lost" else e.reason
                     log.warning("request %s attempt %s failed (%s): %s", rid, attempt, reason, e)
                     if failures > cfg.max_retries:
@@ -190,14 +200,26 @@ class Dispatcher:
             admission.release()
 
     async def _plan(
-        self, prompt: tuple[int, ...], hashes: Sequence[int], failed: frozenset[str]
+        self,
+        prompt: tuple[int, ...],
+        hashes: Sequence[int],
+        failed: frozenset[str],
+        last: AttemptFailed | None = None,
     ) -> Plan:
+        """A plan for the request, waiting up to ``max_wait_s`` for a worker to fit it;
+        a request no worker can ever take as the pool stands fails at once, saying why
+        (``last``: its latest failure)."""
         deadline = time.monotonic() + self.config.queues.max_wait_s
         while True:
             snap = self.pool.snapshot()
             try:
                 return self.planner.plan(len(prompt), hashes, snap, exclude=failed)
             except NoWorker as e:
+                hopeless = self.planner.nowhere(len(prompt), snap, failed)
+                if hopeless is not None:
+                    if last is None:
+                        raise RequestFailed(503, hopeless) from None
+                    raise RequestFailed(502, f"{hopeless} (last error: {last})") from None
                 if time.monotonic() >= deadline:
                     raise RequestFailed(
                         503, f"{e} ({len(snap)} workers known, {len(failed)} failed this request)"
@@ -228,7 +250,7 @@ class Dispatcher:
         touched: list[WorkerConn] = []
         finished = assigned = False
         pump: asyncio.Task[None] | None = None
-        queue: asyncio.Queue[Any] = asyncio.Queue()
+        queue: asyncio.Queue[Any] = asyncio.Queue(ATTEMPT_BUFFER)
         slot: Admission | None = None
         waited = False
         if plan.prefill is not None:
@@ -240,22 +262,24 @@ class Dispatcher:
                 if plan.prefill is None:  # local now after all: the slot is not needed
                     slot.release()
             self._decisions.labels(decision=plan.decision.where.value).inc()
-            d_name = plan.decode.worker.name
+            d_view = plan.decode.worker
+            d_name = d_view.name
             dconn = self.pool.conn(d_name)
             touched.append(dconn)
             self.pool.assign(d_name, +1)
             assigned = True
             if plan.prefill is not None:
-                p_name = plan.prefill.worker.name
+                p_view = plan.prefill.worker
+                p_name = p_view.name
                 pconn = self.pool.conn(p_name)
                 touched.append(pconn)
                 self.pool.assign(p_name, +1)
                 try:
                     # the lease covers the expected prefill with room to spare
                     lease = max(self.config.timeouts.lease_s, 3 * plan.decision.remote_s)
-                    handle = await self._reserve(dconn, d_name, p_name, rid, len(prompt), lease)
+                    handle = await self._reserve(dconn, d_view, p_view, rid, len(prompt), lease)
                     pump = self._start(dconn, rid, prompt, sampling, True, queue)
-                    await self._prefill(pconn, p_name, dconn, d_name, rid, prompt, sampling, handle)
+                    await self._prefill(pconn, p_view, dconn, d_view, rid, prompt, sampling, handle)
                 finally:
                     if slot is not None:
                         slot.release()  # the prefill is over: free the slot before decoding
@@ -269,18 +293,18 @@ class Dispatcher:
                     item = await asyncio.wait_for(queue.get(), wait)
                 except TimeoutError:
                     raise AttemptFailed(
-                        d_name, "decode_lost", f"no token within {wait:g} s", lost=True
+                        d_view, "decode_lost", f"no token within {wait:g} s", lost=True
                     ) from None
                 if item is None:
-                    raise AttemptFailed(d_name, "decode_lost", "stream ended early", lost=True)
+                    raise AttemptFailed(d_view, "decode_lost", "stream ended early", lost=True)
                 if isinstance(item, BaseException):
-                    self._raise_stream_error(d_name, item)
+                    self._raise_stream_error(d_view, item)
                 first = False
                 fr = item.finish_reason or None
                 if fr == "error":
                     raise RequestFailed(400, f"the worker refused the request: {item.error}")
                 if fr == "abort":
-                    raise AttemptFailed(d_name, "decode_lost", "aborted by the worker", lost=False)
+                    raise AttemptFailed(d_view, "decode_lost", "aborted by the worker", lost=False)
                 if fr is not None:
                     finished = True
                 tops = tuple(top_from_proto(t) for t in item.top_logprobs)
@@ -299,12 +323,21 @@ class Dispatcher:
             if not finished and touched:
                 self._spawn_cleanup(rid, touched)
 
-    def _raise_stream_error(self, d_name: str, e: BaseException) -> None:
-        code = rpc_code(e)
-        if code is grpc.StatusCode.INVALID_ARGUMENT and isinstance(e, grpc.RpcError):
-            raise RequestFailed(400, f"the worker refused the request: {e.details()}")
-        detail = rpc_details(e) if isinstance(e, grpc.RpcError) else repr(e)
-        raise AttemptFailed(d_name, "decode_lost", detail, lost=code in LOST_CODES or code is None)
+    def _raise_stream_error(self, d_view: WorkerView, e: BaseException) -> None:
+        """What a Generate stream's failure means: the request's own fault (a message that
+        could not be built, a request the worker refused), a lost worker (the codes of
+        :data:`LOST_CODES`), a call cut on this side (the worker left the pool: retry
+        elsewhere, blaming no one), or a fault of the router's own, raised as it is."""
+        if isinstance(e, UNSENDABLE):
+            raise unsendable(e) from e
+        if isinstance(e, grpc.RpcError):
+            code = rpc_code(e)
+            if code is grpc.StatusCode.INVALID_ARGUMENT:
+                raise RequestFailed(400, f"the worker refused the request: {e.details()}")
+            raise AttemptFailed(d_view, "decode_lost", rpc_details(e), lost=code in LOST_CODES)
+        if isinstance(e, grpc.aio.UsageError):
+            raise AttemptFailed(d_view, "decode_lost", f"the call was closed: {e}", lost=False)
+        raise e
 
     def _start(
         self,
@@ -320,38 +353,46 @@ class Dispatcher:
                 async for chunk in conn.generate(
                     rid, prompt, sampling, remote, timeout=self.config.timeouts.request_s
                 ):
-                    queue.put_nowait(chunk)
-                queue.put_nowait(None)
+                    await queue.put(chunk)
+                await queue.put(None)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # handed to the consumer, which decides
-                queue.put_nowait(e)
+                await queue.put(e)
 
         return asyncio.create_task(pump(), name=f"generate-{rid}")
 
     async def _reserve(
-        self, dconn: WorkerConn, d_name: str, p_name: str, rid: str, n: int, lease_s: float
+        self,
+        dconn: WorkerConn,
+        d_view: WorkerView,
+        p_view: WorkerView,
+        rid: str,
+        n: int,
+        lease_s: float,
     ) -> Any:
         t = self.config.timeouts
-        compat = self.pool.compat(p_name)
+        compat = self.pool.compat(p_view.name)
         if compat is None:
-            raise AttemptFailed(p_name, "prefill_failed", "no health answer yet", lost=False)
+            raise AttemptFailed(p_view, "prefill_failed", "no health answer yet", lost=False)
         try:
             return await dconn.reserve(
                 rid, n, compat, lease_s, self.config.kv_backend, timeout=t.connect_s
             )
+        except UNSENDABLE as e:
+            raise unsendable(e) from e
         except grpc.RpcError as e:
             code = rpc_code(e)
             raise AttemptFailed(
-                d_name, "reserve_failed", f"Reserve: {rpc_details(e)}", lost=code in LOST_CODES
+                d_view, "reserve_failed", f"Reserve: {rpc_details(e)}", lost=code in LOST_CODES
             ) from None
 
     async def _prefill(
         self,
         pconn: WorkerConn,
-        p_name: str,
+        p_view: WorkerView,
         dconn: WorkerConn,
-        d_name: str,
+        d_view: WorkerView,
         rid: str,
         prompt: tuple[int, ...],
         sampling: SamplingParams,
@@ -360,6 +401,8 @@ class Dispatcher:
         t = self.config.timeouts
         try:
             resp = await pconn.prefill(rid, prompt, sampling, handle, timeout=t.prefill_s)
+        except UNSENDABLE as e:
+            raise unsendable(e) from e
         except grpc.RpcError as e:
             code = rpc_code(e)
             if code is grpc.StatusCode.INVALID_ARGUMENT:
@@ -368,12 +411,12 @@ class Dispatcher:
             # the push reaches the decode worker: when it is down, it is the one to blame
             if not await self._answers(dconn):
                 raise AttemptFailed(
-                    d_name, "decode_lost", "decode worker unreachable during the push", lost=True
+                    d_view, "decode_lost", "decode worker unreachable during the push", lost=True
                 ) from None
             # both answer: the request failed (say its lease ran out under load), not a worker
             lost = code in LOST_CODES and not await self._answers(pconn)
             raise AttemptFailed(
-                p_name, "prefill_failed", f"Prefill: {rpc_details(e)}", lost=lost
+                p_view, "prefill_failed", f"Prefill: {rpc_details(e)}", lost=lost
             ) from None
         self.planner.estimator.observe_prefill(
             len(prompt) - resp.num_cached_tokens,

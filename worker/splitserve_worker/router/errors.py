@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,6 +27,14 @@ _TYPES = {
     503: "server_error",
     504: "server_error",
 }
+
+
+class ErrorJSON(JSONResponse):
+    """An error body as JSON, ASCII only: a message quoting what the client sent (a lone
+    surrogate included) is always sendable."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 class APIError(Exception):
@@ -79,10 +89,14 @@ def from_failure(e: Saturated | RequestFailed) -> APIError:
     return APIError(e.status, e.message, code="worker_error" if e.status >= 500 else None)
 
 
+_TYPE_TAG = re.compile(r"(str|int|float|bool|(list|dict)\[.*\]|function-.*|[A-Z]\w*)")
+"""What pydantic puts in an error's location for the member of a union it tried (``str``,
+``list[int]``, ``function-after[...]``, a model's name), as opposed to field names."""
+
+
 def _loc(loc: tuple[Any, ...]) -> str | None:
     parts = [str(p) for p in loc if p not in ("body",)]
-    # pydantic adds the union member's type name to the location; drop those
-    parts = [p for p in parts if not p.startswith(("list[", "str", "int", "function-"))]
+    parts = [p for p in parts if not _TYPE_TAG.fullmatch(p)]
     return ".".join(parts) or None
 
 
@@ -149,16 +163,16 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return ErrorJSON(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(list(exc.errors()))
-        return JSONResponse(error_body(400, message, param, "invalid_request"), status_code=400)
+        return ErrorJSON(error_body(400, message, param, "invalid_request"), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(
+        return ErrorJSON(
             error_body(exc.status_code, str(exc.detail)),
             status_code=exc.status_code,
             headers=getattr(exc, "headers", None),

@@ -5,7 +5,12 @@ ends a request."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import grpc
+
+if TYPE_CHECKING:
+    from splitserve_worker.router.scoring import WorkerView
 
 LOST_CODES = {
     grpc.StatusCode.UNAVAILABLE,
@@ -16,6 +21,11 @@ LOST_CODES = {
     grpc.StatusCode.ABORTED,
 }
 """Codes after which the worker itself is suspect: mark it unhealthy."""
+
+UNSENDABLE = (UnicodeError, ValueError, TypeError, OverflowError)
+"""What building a call's message raises for a value its wire cannot carry (a lone
+surrogate in a string, a number out of its field's range): the request's own fault,
+found before any byte left the router, never the worker's."""
 
 
 class RequestFailed(Exception):
@@ -34,13 +44,23 @@ class Stale(Exception):
 
 
 class AttemptFailed(Exception):
-    def __init__(self, worker: str, reason: str, detail: str, lost: bool) -> None:
-        super().__init__(f"{worker}: {detail}")
-        self.worker = worker
+    """One attempt failed on ``worker`` (the view it was planned on: its name and the
+    instance, so a restarted worker at that address is not the one that failed)."""
+
+    def __init__(self, worker: WorkerView, reason: str, detail: str, lost: bool) -> None:
+        super().__init__(f"{worker.name}: {detail}")
+        self.worker = worker.name
+        self.identity = worker.identity
+        self.instance = worker.instance
         self.reason = reason
         self.detail = detail
         self.lost = lost
         """The worker itself failed (mark it unhealthy), not just this request on it."""
+
+
+def unsendable(e: BaseException) -> RequestFailed:
+    """The answer to a request whose call could not be built (:data:`UNSENDABLE`)."""
+    return RequestFailed(400, f"the request cannot be sent to a worker: {e}")
 
 
 def rpc_details(e: grpc.RpcError) -> str:

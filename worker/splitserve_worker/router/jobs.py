@@ -5,15 +5,15 @@ and turned into :class:`~splitserve_worker.router.responses.Job`\ s (one per pro
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
-from splitserve.sampling import SamplingParams
+from splitserve.sampling import SamplingError, SamplingParams
 
 from splitserve_worker.router.api_models import ChatCompletionRequest, CompletionRequest
 from splitserve_worker.router.config import RouterConfig
 from splitserve_worker.router.errors import APIError
 from splitserve_worker.router.responses import Job
 from splitserve_worker.router.text import Detokenizer
+from splitserve_worker.router.tokenizer_pool import TokenizerPool
 
 
 def check_model(name: str, cfg: RouterConfig) -> str:
@@ -33,11 +33,12 @@ def make_job(
     body: CompletionRequest | ChatCompletionRequest,
     prompt: list[int],
     cfg: RouterConfig,
-    tokenizer: Any,
+    tok: TokenizerPool,
     job_id: str | None = None,
 ) -> Job:
     """One request as a :class:`Job`: its limits checked against the server's (an
-    :class:`APIError` names the bad field), its sampling parameters as sent to workers."""
+    :class:`APIError` names the bad field), its sampling parameters as sent to workers
+    (checked as the workers will check them)."""
     if not prompt:
         raise APIError(400, "the prompt is empty after tokenization", param="prompt")
     limit = body.token_limit() if isinstance(body, ChatCompletionRequest) else body.max_tokens
@@ -61,7 +62,7 @@ def make_job(
         )
     if body.min_tokens > max_tokens:
         raise APIError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
-    vocab = len(tokenizer)
+    vocab = tok.vocab_size
     bias = body.bias_pairs()
     for param, ids in (("prompt", prompt), ("stop_token_ids", body.stop_token_ids or ()),
                        ("logit_bias", [t for t, _ in bias])):  # fmt: skip
@@ -95,13 +96,17 @@ def make_job(
         logit_bias=bias,
         prompt_logprobs=max(asked) if asked else None,
     )
+    try:
+        sampling.validate()
+    except SamplingError as e:
+        raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
     return Job(
         id=job_id or ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex,
         kind=kind,
         model=check_model(body.model, cfg),
         prompt=tuple(prompt),
         sampling=sampling,
-        detok=Detokenizer(tokenizer, body.stop_strings()),
+        detok=Detokenizer(tok.tokenizer, body.stop_strings()),
         want_logprobs=want_lp,
         return_token_ids=body.return_token_ids,
         stream=body.stream,
@@ -112,22 +117,24 @@ def make_job(
     )
 
 
-def completion_jobs(body: CompletionRequest, cfg: RouterConfig, tokenizer: Any) -> list[Job]:
+async def completion_jobs(
+    body: CompletionRequest, cfg: RouterConfig, tok: TokenizerPool
+) -> list[Job]:
     """One job per prompt of a completion request (text prompts tokenized as the model's
-    tokenizer does, with its special tokens), under the request's one id; a bad prompt of
-    a batch is named by its place in it."""
+    tokenizer does, with its special tokens, off the event loop), under the request's one
+    id; a bad prompt of a batch is named by its place in it."""
     batch: list[Job] = []
     prompts = body.prompts()
     for i, given in enumerate(prompts):
-        if isinstance(given, str):
-            prompt = list(tokenizer(given, add_special_tokens=True)["input_ids"])
-        else:
-            prompt = list(given)
         try:
-            job = make_job("text_completion", body, prompt, cfg, tokenizer,
+            if isinstance(given, str):
+                prompt = await tok.encode(given, add_special_tokens=True)
+            else:
+                prompt = list(given)
+            job = make_job("text_completion", body, prompt, cfg, tok,
                            batch[0].id if batch else None)  # fmt: skip
         except APIError as e:
-            if len(prompts) == 1:
+            if len(prompts) == 1 or e.status >= 500:
                 raise
             raise APIError(e.status, f"prompt {i} of the batch: {e.message}",
                            param=e.param, code=e.code) from None  # fmt: skip
@@ -135,7 +142,7 @@ def completion_jobs(body: CompletionRequest, cfg: RouterConfig, tokenizer: Any) 
         if body.echo:
             job.echo = (
                 given if isinstance(given, str)
-                else tokenizer.decode(prompt, skip_special_tokens=True)
+                else await tok.decode(prompt, skip_special_tokens=True)
             )  # fmt: skip
         batch.append(job)
     return batch

@@ -17,6 +17,7 @@ from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 from splitserve_worker.router.app import create_app
+from splitserve_worker.router.http_server import server_config
 from splitserve_worker.router.service import RouterService
 
 T = TypeVar("T")
@@ -42,10 +43,9 @@ class RouterThread(AbstractContextManager[str]):
 
         loop = asyncio.new_event_loop()
         self._loop = loop
-        config = uvicorn.Config(
-            create_app(self.service), host=self.host, port=self.port, log_level="warning",
-            access_log=False, timeout_graceful_shutdown=2, lifespan="on",
-        )  # fmt: skip
+        config = server_config(
+            create_app(self.service), self.host, self.port, timeout_graceful_shutdown=2
+        )
         server = uvicorn.Server(config)
         self._server = server
 

@@ -95,7 +95,7 @@ class RoutePlanner:
                 num_prompt_tokens,
                 block_hashes,
                 cfg.block_size,
-                exclude=exclude | {decode.worker.name},
+                exclude=exclude | {decode.worker.identity},
                 cached_blocks=cached,
             )
             prefill = self.prefill_profile.choose(others, prefill_side)
@@ -122,6 +122,27 @@ class RoutePlanner:
             prefill=prefill if decision.where is Where.REMOTE else None,
             decision=decision,
         )
+
+    def nowhere(
+        self, num_prompt_tokens: int, workers: Sequence[WorkerView], exclude: frozenset[str]
+    ) -> str | None:
+        """Why no decode worker known can ever take this request as the pool stands, or
+        None while one may (a busy one may free up, one that is down may come back, as
+        itself or restarted): every decode worker already failed it and is still that
+        same worker, or holds fewer blocks in all than the prompt needs."""
+        _, decode_side = self._split(workers)
+        if not decode_side:
+            return None  # none known yet: discovery may bring one
+        need = RouteRequest(num_prompt_tokens, block_size=self.config.block_size).blocks_needed
+        reasons = []
+        for w in decode_side:
+            if w.healthy and w.identity in exclude:
+                reasons.append(f"{w.name} already failed it")
+            elif 0 < w.total_blocks < need:
+                reasons.append(f"{w.name} holds {w.total_blocks} KV blocks, it needs {need}")
+            else:
+                return None
+        return "no decode worker can take this request: " + "; ".join(reasons)
 
 
 def _tokens_ahead(w: WorkerView, prompt_tokens: int) -> int:

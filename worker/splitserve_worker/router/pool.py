@@ -93,8 +93,12 @@ class WorkerPool:
             m.view = replace(m.view, assigned=max(0, m.view.assigned + delta))
             self._publish(notify=False)
 
-    def mark_failed(self, name: str, why: str) -> None:
+    def mark_failed(self, name: str, why: str, instance: str = "") -> None:
+        """Mark ``name`` unhealthy until its next good Health answer; with ``instance``,
+        only while it is still that instance (one restarted meanwhile is a new worker)."""
         m = self._members.get(name)
+        if instance and m is not None and m.view.instance not in ("", instance):
+            return
         if m is not None and m.view.healthy:
             log.warning("worker %s marked unhealthy: %s", name, why)
             m.view = replace(m.view, healthy=False)
@@ -168,6 +172,12 @@ class WorkerPool:
                 self._publish()
             return False
         was = m.view.healthy
+        if m.view.instance and h.instance_id != m.view.instance:
+            # restarted at the same address: what the old process held is gone
+            log.warning("worker %s restarted (instance %s, was %s)", m.endpoint.name,
+                        h.instance_id or "unknown", m.view.instance)  # fmt: skip
+            self.index.remove_worker(m.endpoint.name)
+            was = False
         m.compat = h.compat
         if self.on_compat is not None and h.HasField("compat"):
             self.on_compat(h.compat)
@@ -179,6 +189,7 @@ class WorkerPool:
             running=h.running,
             waiting=h.waiting,
             tokens_in_flight=h.tokens_in_flight,
+            instance=h.instance_id,
         )
         self._publish(notify=not was)
         return True

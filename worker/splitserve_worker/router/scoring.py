@@ -30,6 +30,14 @@ class WorkerView:
     """Requests the router has sent to this worker that are not finished yet."""
     max_running: int = 64
     """Sequences the worker runs at once (its engine's max_num_seqs)."""
+    instance: str = ""
+    """The worker process's own id (its Health's ``instance_id``; "" until it answers):
+    a worker restarted at the same address has a new one."""
+
+    @property
+    def identity(self) -> str:
+        """Which worker this is: its name and its instance (a restarted one is another)."""
+        return f"{self.name}#{self.instance}" if self.instance else self.name
 
 
 @dataclass(frozen=True)
@@ -40,7 +48,7 @@ class RouteRequest:
     block_hashes: Sequence[int] = ()
     block_size: int = 16
     exclude: frozenset[str] = frozenset()
-    """Workers that already failed this request."""
+    """Workers that already failed this request, by :attr:`WorkerView.identity`."""
     cached_blocks: Mapping[str, int] = field(default_factory=dict)
     """Leading prompt blocks each worker holds (from the prefix index)."""
 
@@ -71,7 +79,7 @@ Picker = Callable[[Sequence[WorkerView], Sequence[float]], WorkerView]
 def healthy(req: RouteRequest, workers: Sequence[WorkerView]) -> list[WorkerView]:
     ex = req.exclude
     if ex:
-        return [w for w in workers if w.healthy and w.name not in ex]
+        return [w for w in workers if w.healthy and w.identity not in ex]
     return [w for w in workers if w.healthy]
 
 

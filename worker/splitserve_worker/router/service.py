@@ -18,6 +18,7 @@ from splitserve_worker.router.discovery import Discovery, WorkerEndpoint
 from splitserve_worker.router.dispatch import Dispatcher, Hasher
 from splitserve_worker.router.planner import RoutePlanner
 from splitserve_worker.router.pool import ConnFactory, WorkerPool
+from splitserve_worker.router.tokenizer_pool import TokenizerPool
 
 
 def prefix_hasher(block_size: int) -> Hasher:
@@ -40,6 +41,9 @@ class RouterService:
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.registry)
         cfg = self.config
+        self.tokenizing = TokenizerPool(
+            self.tokenizer, cfg.max_model_len, threads=cfg.tokenizer_threads
+        )
         self.planner = RoutePlanner(cfg)
         token = cfg.worker_token
 
@@ -76,6 +80,7 @@ class RouterService:
                 await self._follow
         await self.dispatcher.drain()
         await self.pool.close()
+        self.tokenizing.close()
 
     async def wait_ready(self, timeout: float) -> bool:
         """True once a decode-capable worker answers Health (bounded by ``timeout``)."""

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.responses import StreamingResponse
+from starlette.types import Send
+
 from splitserve_worker.router.dispatch import Dispatcher, GenRequest, TokenEvent
-from splitserve_worker.router.errors import from_failure
+from splitserve_worker.router.errors import error_body, from_failure
 from splitserve_worker.router.failures import RequestFailed
 from splitserve_worker.router.queues import Saturated, Stage
 from splitserve_worker.router.request_metrics import Outcome, RequestMetrics
@@ -34,6 +38,8 @@ from splitserve_worker.router.responses import (
     usage,
 )
 
+log = logging.getLogger(__name__)
+
 Start = Callable[[Job], AsyncGenerator[TokenEvent, None]]
 """Opens one job's stream of token events; it raises :class:`Saturated` or
 :class:`RequestFailed` when the job cannot be served, and closing it ends the job on the
@@ -44,6 +50,10 @@ DONE = b"data: [DONE]\n\n"
 
 DISCONNECT_POLL_S = 0.25
 """How often a request that is not streamed checks whether its client went away."""
+
+DEFAULT_BACKLOG = 1024
+"""Pieces (token events) a stream may have waiting for its client, all choices together
+(``queues.max_stream_backlog``)."""
 
 
 def dispatch_start(dispatcher: Dispatcher) -> Start:
@@ -122,35 +132,61 @@ async def choice_events(
         record.ended(outcome)
 
 
+class TooSlow(RequestFailed):
+    """The client let more of its stream wait than the router holds for it."""
+
+
 async def merged(
-    jobs: Sequence[Job], start: Start, record: RequestMetrics
+    jobs: Sequence[Job], start: Start, record: RequestMetrics, backlog: int = DEFAULT_BACKLOG
 ) -> AsyncGenerator[tuple[Job, Piece], None]:
     """The pieces of every choice as they come; ends when all have, or raises the first
-    failure (and then no choice runs on). A choice may run ahead of what was taken from
-    here: each piece says itself whether it was its choice's last."""
-    if len(jobs) == 1:
-        async with contextlib.aclosing(choice_events(jobs[0], start, record)) as evs:
-            async for piece in evs:
-                yield jobs[0], piece
-        return
-    queue: asyncio.Queue[tuple[Job, Piece] | BaseException | None] = asyncio.Queue()
+    failure (and then no choice runs on). Each choice runs ahead of what was taken from
+    here (each piece says itself whether it was its choice's last), by at most
+    ``backlog`` pieces in all: a consumer further behind (a client that stopped reading)
+    gets :class:`TooSlow` once it reads again, and meanwhile every choice is ended on the
+    workers, its KV and decode slot freed."""
+    queue: asyncio.Queue[tuple[Job, Piece] | None] = asyncio.Queue()
+    waiting = 0
+    """Pieces in the queue: what the consumer has yet to take."""
+    failure: list[BaseException] = []
+
+    def fail(e: BaseException) -> None:
+        if not failure:
+            failure.append(e)
+        queue.put_nowait(None)  # wake the consumer
 
     async def pump(job: Job) -> None:
+        nonlocal waiting
         try:
             async with contextlib.aclosing(choice_events(job, start, record)) as evs:
                 async for piece in evs:
-                    await queue.put((job, piece))
-            await queue.put(None)
+                    if waiting >= backlog:
+                        log.warning("stream %s: its client stopped reading; ended", job.id)
+                        raise TooSlow(
+                            499,
+                            f"the client left {waiting} pieces of its stream unread, more than "
+                            f"the router holds for it ({backlog}); the request was ended",
+                        )
+                    waiting += 1
+                    queue.put_nowait((job, piece))
+            queue.put_nowait(None)
         except Exception as e:  # handed to the consumer, which raises it
-            await queue.put(e)
+            fail(e)
 
     tasks = [asyncio.create_task(pump(j)) for j in jobs]
     try:
-        for _ in jobs:
-            while (item := await queue.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+        ended = 0
+        while ended < len(jobs):
+            if failure:
+                raise failure[0]
+            item = await queue.get()
+            if item is None:
+                ended += 1
+                continue
+            waiting -= 1
+            yield item
+        if failure:
+            raise failure[0]
     finally:
         for t in tasks:
             t.cancel()
@@ -173,15 +209,17 @@ def stream_chunk(jobs: Sequence[Job], job: Job, piece: Piece) -> bytes | None:
 
 
 async def sse_stream(
-    jobs: Sequence[Job], start: Start, record: RequestMetrics
+    jobs: Sequence[Job], start: Start, record: RequestMetrics, backlog: int = DEFAULT_BACKLOG
 ) -> AsyncIterator[bytes]:
     """The whole SSE body of a streamed request run as ``jobs``: a chat's role chunk,
     every choice's chunks as they come, the usage when asked for, then ``[DONE]``. A
-    failure ends the stream with an error chunk in the OpenAI shape (the 200 is sent)."""
+    failure ends the stream with an error chunk in the OpenAI shape (the 200 is sent),
+    and so does a fault of the router's own (logged with the request id): a stream that
+    started always ends with ``[DONE]``, never with a cut connection."""
     try:
         if jobs[0].kind == "chat.completion":
             yield sse(chunk(jobs, [role_choice(j) for j in jobs]))
-        async with contextlib.aclosing(merged(jobs, start, record)) as evs:
+        async with contextlib.aclosing(merged(jobs, start, record, backlog)) as evs:
             async for job, piece in evs:
                 line = stream_chunk(jobs, job, piece)
                 if line is not None:
@@ -192,7 +230,26 @@ async def sse_stream(
             yield sse(body)
     except (Saturated, RequestFailed) as e:
         yield sse(from_failure(e).body())
+    except Exception:  # a fault of the router's own: logged whole, said in the stream
+        log.exception("stream %s failed in the router", jobs[0].id)
+        message = f"the router failed to serve this request; its error is logged under {jobs[0].id}"
+        yield sse(error_body(500, message, code="internal_error"))
     yield DONE
+
+
+class SSEResponse(StreamingResponse):
+    """A streamed answer that closes its stream however the response ends (sent whole,
+    the client gone, the connection cut): the request's choices end on the workers then,
+    not whenever the stream is collected."""
+
+    async def stream_response(self, send: Send) -> None:
+        body = self.body_iterator
+        try:
+            await super().stream_response(send)
+        finally:
+            close = getattr(body, "aclose", None)
+            if close is not None:
+                await close()
 
 
 async def run_to_end(

@@ -50,7 +50,7 @@ class WorkerConn(Protocol):
         self,
         request_id: str,
         num_prompt_tokens: int,
-        compat: pb.CompatInfo | None = None,
+        compat: pb.CompatInfo,
         lease_seconds: float = 0.0,
         kv_backend: str = "",
         timeout: float | None = None,

@@ -132,6 +132,7 @@ async def start_worker(
                 receivers,
                 default_backend=config.kv_backend,
                 lease_seconds=config.lease_seconds,
+                max_lease_seconds=config.max_lease_seconds,
                 address=address,
                 metrics=metrics,
                 holds=config.faults.holds,
@@ -155,7 +156,7 @@ async def start_worker(
             kv_backends=kv_backends,
             holds=config.faults.holds,
         )
-        add_to_server(service, server)
+        add_to_server(service, server, engine.max_model_len)
         if handoff is not None:
             tls = config.kv_tls.server_context() if config.kv_tls.serves else None
             kv_port = start_tcp_server(handoff, config.host, config.kv_port, config.token, tls)

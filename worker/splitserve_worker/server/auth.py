@@ -1,4 +1,5 @@
-"""The shared worker token: loaded once, checked on every call by a server interceptor.
+"""The shared worker token: loaded once, checked on every call by a server interceptor,
+before the call's request is read.
 
 The token is never logged or put in an error message.
 """
@@ -45,7 +46,11 @@ UNAUTHENTICATED_MESSAGE = "missing or wrong worker token (send 'authorization: B
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call whose ``authorization`` metadata is not ``Bearer <token>``."""
+    """Refuses every call whose ``authorization`` metadata is not ``Bearer <token>``.
+
+    It decides on the call's metadata alone, before grpcio reads any message: a refused
+    call is answered by a handler that never reads its request, so a caller without the
+    token cannot make the worker receive (or parse) a message of tens of megabytes."""
 
     def __init__(self, token: str) -> None:
         if not token:
@@ -71,14 +76,14 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
+    """A handler that refuses the call unread: served as a request stream it never reads
+    (a unary request would be received whole and parsed before any handler runs), with no
+    deserializer; what the caller still sends is dropped with the call."""
+
+    async def refuse(_requests: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
 
-    des, ser = handler.request_deserializer, handler.response_serializer
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse, des, ser)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse, des, ser)
+    ser = handler.response_serializer
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse, des, ser)
-    return grpc.unary_unary_rpc_method_handler(refuse, des, ser)
+        return grpc.stream_stream_rpc_method_handler(refuse, None, ser)
+    return grpc.stream_unary_rpc_method_handler(refuse, None, ser)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -61,7 +62,11 @@ class WorkerConfig:
     kv_backend: str = "tcp"
     """How this worker pushes KV (prefill) and what Reserve offers by default (decode)."""
     lease_seconds: float = 30.0
-    """How long reserved blocks wait for their KV and Commit before they are freed."""
+    """How long reserved blocks wait for their KV and Commit before they are freed (a
+    Reserve that asks for no lease of its own)."""
+    max_lease_seconds: float = 300.0
+    """Longest lease a Reserve gets, whatever it asks for (``lease_seconds`` when that is
+    longer): a caller cannot hold blocks until the worker restarts."""
     block_size: int = 16
     kv_cache_memory: int | None = None
     num_blocks: int | None = None
@@ -102,8 +107,12 @@ class WorkerConfig:
             raise ConfigError(f"--kv-port must be in [0, 65535], got {self.kv_port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
-        if not self.lease_seconds > 0:
+        if not (self.lease_seconds > 0 and math.isfinite(self.lease_seconds)):
             raise ConfigError(f"--lease-seconds must be > 0, got {self.lease_seconds}")
+        if not (self.max_lease_seconds > 0 and math.isfinite(self.max_lease_seconds)):
+            raise ConfigError(
+                f"--max-lease-seconds must be a finite number > 0, got {self.max_lease_seconds}"
+            )
         if not 0 <= self.drain_seconds <= 3600:
             raise ConfigError(f"--drain-seconds must be in [0, 3600], got {self.drain_seconds}")
         if not 0 <= self.kv_streams <= MAX_STREAMS:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import zlib
 from collections.abc import AsyncIterator, Sequence
@@ -67,6 +68,7 @@ class DecodeHandoff:
         address: str,
         metrics: Metrics,
         holds: Holds | None = None,
+        max_lease_seconds: float | None = None,
     ) -> None:
         self.engine = engine
         self.holds = holds or Holds()
@@ -76,6 +78,8 @@ class DecodeHandoff:
         self.receivers = receivers
         self.default_backend = default_backend
         self.lease_seconds = lease_seconds
+        self.max_lease_seconds = max(max_lease_seconds or lease_seconds, lease_seconds)
+        """Longest lease a Reserve gets, whatever it asks for."""
         self.address = address
         self._committed: dict[str, _Awaited] = {}
         self._busy: dict[str, int] = {}
@@ -84,12 +88,34 @@ class DecodeHandoff:
         self._failures = metrics.counter(names.KV_TRANSFER_FAILURES)
 
     # ---- Reserve / Release ----
+    def lease_ttl(self, asked: float) -> float:
+        """The lease a Reserve gets for ``asked`` seconds (0: this worker's default): at
+        most :attr:`max_lease_seconds`, so no caller holds blocks until a restart."""
+        if not (math.isfinite(asked) and asked >= 0):
+            raise RpcFailure(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"lease_seconds must be a finite number >= 0 (0: this worker's "
+                f"{self.lease_seconds:g} s), got {asked}",
+            )
+        return min(asked or self.lease_seconds, self.max_lease_seconds)
+
     async def reserve(self, req: pb.ReserveRequest) -> pb.TransferHandle:
-        if req.HasField("compat"):
-            try:
-                compat_mod.check(self.compat, compat_from_proto(req.compat), peer="the caller")
-            except CompatError as e:
-                raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        if not req.request_id:
+            raise RpcFailure(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "Reserve needs a request_id: the id its Generate and Commit will name",
+            )
+        if not req.HasField("compat"):
+            raise RpcFailure(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "Reserve needs the compat of the KV the caller will push (its prefill "
+                "worker's Health().compat): blocks are held only for KV this worker can take",
+            )
+        try:
+            compat_mod.check(self.compat, compat_from_proto(req.compat), peer="the caller")
+        except CompatError as e:
+            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        ttl = self.lease_ttl(req.lease_seconds)
         backend = req.kv_backend or self.default_backend
         if backend not in self.receivers:
             raise RpcFailure(
@@ -108,7 +134,6 @@ class DecodeHandoff:
             raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         except RequestError as e:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        ttl = req.lease_seconds if req.lease_seconds > 0 else self.lease_seconds
         lease = self.leases.add(
             req.request_id,
             blocks,

@@ -8,6 +8,7 @@ and turns known failures into the gRPC status the proto documents.
 from __future__ import annotations
 
 import functools
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -29,6 +30,7 @@ from splitserve_worker.server.convert import (
 from splitserve_worker.server.errors import RpcFailure
 from splitserve_worker.server.events import EventHub
 from splitserve_worker.server.handoff import DecodeHandoff
+from splitserve_worker.server.message_limits import Oversized, bounded, limit_of, request_limits
 from splitserve_worker.server.prefill import PrefillRunner
 
 R = TypeVar("R")
@@ -42,6 +44,8 @@ def _unary(
     async def wrapped(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
         from splitserve_worker.engine.errors import RequestError
 
+        if isinstance(request, Oversized):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message())
         try:
             return await fn(self, request, context)
         except RpcFailure as e:
@@ -74,6 +78,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.events = events
         self.kv_backends = kv_backends
         self.holds = holds or Holds()
+        self.instance_id = uuid.uuid4().hex
+        """This worker's own id in Health: a worker started again is another one."""
 
     def _decode(self) -> DecodeHandoff:
         if self.handoff is None:
@@ -108,6 +114,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             kv_backends=self.kv_backends,
             leases=len(self.handoff.leases) if self.handoff else 0,
             prefilling=self.prefill.in_progress if self.prefill else 0,
+            instance_id=self.instance_id,
         )
 
     @_unary
@@ -151,6 +158,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[pb.TokenChunk]:
         from splitserve_worker.engine.errors import NoCapacity, RequestError
 
+        if isinstance(request, Oversized):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message())
         rid = request.request_id
         try:
             sampling = sampling_from_proto(request.sampling)
@@ -204,14 +213,22 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Events(
         self, request: pb.EventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.KVEvent]:
+        if isinstance(request, Oversized):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message())
         async for ev in self.events.subscribe():
             yield ev
 
 
-def add_to_server(service: WorkerService, server: grpc.aio.Server) -> None:
+def add_to_server(
+    service: WorkerService, server: grpc.aio.Server, max_model_len: int | None = None
+) -> None:
     """Register every method of ``splitserve.v1.Worker`` like the generated code does, but
-    decode PushKV messages with :func:`kvwire.decode` (payload as a view, not a copy)."""
+    decode PushKV messages with :func:`kvwire.decode` (payload as a view, not a copy) and,
+    given ``max_model_len``, refuse each method's requests larger than it can hold
+    (:mod:`.message_limits`) before they are parsed."""
     from splitserve_worker.kv import kvwire
+
+    limits = request_limits(max_model_len) if max_model_len is not None else None
 
     desc = pb.DESCRIPTOR.services_by_name["Worker"]
     handlers: dict[str, grpc.RpcMethodHandler] = {}
@@ -225,6 +242,8 @@ def add_to_server(service: WorkerService, server: grpc.aio.Server) -> None:
         request_cls = getattr(pb, m.input_type.name)
         response_cls = getattr(pb, m.output_type.name)
         deserialize = kvwire.decode if m.name == "PushKV" else request_cls.FromString
+        if limits is not None:
+            deserialize = bounded(deserialize, m.name, limit_of(m.name, limits))
         make = kinds[(m.client_streaming, m.server_streaming)]
         handlers[m.name] = make(
             getattr(service, m.name),

@@ -39,6 +39,20 @@ def refusal_of(error: RpcFailure | TransferError) -> Refusal:
     return Refusal(Status.DATA_LOSS, str(error))
 
 
+def check_budget(lease: Lease, frame: Frame) -> None:
+    """A push sends each token of each layer once: no more bytes than its reservation
+    holds (``frame`` checked already to carry ``count`` whole tokens), so one lease
+    cannot carry an endless stream of frames, each renewing it."""
+    reserved = lease.num_layers * lease.num_tokens * (frame.nbytes // frame.count)
+    if lease.bytes_received + frame.nbytes > reserved:
+        raise RpcFailure(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"request {lease.request_id!r}: a span past the {reserved} bytes its reservation "
+            f"holds ({lease.num_layers} layers of {lease.num_tokens} tokens); a push sends "
+            "each token of each layer once",
+        )
+
+
 class HandoffSink:
     """One tcp connection's spans into the reserved blocks of :class:`DecodeHandoff`."""
 
@@ -73,6 +87,7 @@ class HandoffSink:
                 self._h.check_next(lease)
             views = self._receiver.views(lease, frame.layer, frame.start, frame.count,
                                          frame.nbytes)  # fmt: skip
+            check_budget(lease, frame)
             if views is None:  # a pool off the host: staged here, then copied in
                 self._staged = bytearray(frame.nbytes)
                 views = [memoryview(self._staged)]
@@ -137,9 +152,11 @@ def start_tcp_server(
     token: str,
     tls: ssl.SSLContext | None = None,
     limits: Limits | None = None,
+    **pacing: Any,
 ) -> TcpServer:
     """The decode side's ``tcp`` KV port (call on the event loop; ``tls``: served over
-    TLS); Reserve answers name it from then on."""
+    TLS; ``pacing``: the port's ``clock`` and ``sleep``, for tests); Reserve answers name
+    it from then on."""
     loop = asyncio.get_running_loop()
     server = TcpServer(
         host,
@@ -149,6 +166,7 @@ def start_tcp_server(
         sinks=lambda abort: HandoffSink(handoff, loop, abort),
         tls=tls,
         limits=limits,
+        **pacing,
     )
     handoff.span_receiver("tcp").metadata = handle_metadata(server.port, tls is not None)
     return server
