@@ -2,7 +2,9 @@
 
 Each handler is thin: it checks the worker's role, converts the message, calls the
 decode handoff (:mod:`.handoff`), the prefill runner (:mod:`.prefill`) or the engine,
-and turns known failures into the gRPC status the proto documents.
+and turns known failures into the gRPC status the proto documents. Once the device has
+failed (:mod:`.device_health`), every call is answered UNAVAILABLE with what failed:
+Health too, so the router stops sending work here while the worker restarts.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from splitserve_worker.server.convert import (
     sampling_from_proto,
     top_to_proto,
 )
+from splitserve_worker.server.device_health import DeviceHealth
 from splitserve_worker.server.errors import RpcFailure
 from splitserve_worker.server.events import EventHub
 from splitserve_worker.server.handoff import DecodeHandoff
@@ -43,6 +46,7 @@ def _unary(
         from splitserve_worker.engine.errors import RequestError
 
         try:
+            self.refuse_if_failed()
             return await fn(self, request, context)
         except RpcFailure as e:
             await context.abort(e.code, e.message)
@@ -65,6 +69,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         events: EventHub,
         kv_backends: list[str],
         holds: Holds | None = None,
+        device: DeviceHealth | None = None,
     ) -> None:
         self.role = role
         self.engine = engine
@@ -74,6 +79,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.events = events
         self.kv_backends = kv_backends
         self.holds = holds or Holds()
+        self.device = device or DeviceHealth()
+
+    def refuse_if_failed(self) -> None:
+        """Raise UNAVAILABLE once the device has failed: nothing here can run on it."""
+        failure = self.device.failure
+        if failure is not None:
+            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, failure)
 
     def _decode(self) -> DecodeHandoff:
         if self.handoff is None:
@@ -153,6 +165,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
         rid = request.request_id
         try:
+            self.refuse_if_failed()
             sampling = sampling_from_proto(request.sampling)
             if request.expect_remote_kv:
                 lease, stream = await self._decode().admit(
@@ -204,6 +217,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Events(
         self, request: pb.EventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.KVEvent]:
+        failure = self.device.failure
+        if failure is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, failure)
         async for ev in self.events.subscribe():
             yield ev
 
