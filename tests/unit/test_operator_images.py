@@ -197,3 +197,61 @@ def test_the_worker_image_exposes_the_rendered_ports() -> None:
         commands.WORKER_METRICS_PORT,
         commands.ROUTER_HTTP_PORT,
     } <= exposed
+
+
+def worker_build_runs() -> str:
+    return " ".join(rest for word, rest in instructions("Dockerfile.worker") if word == "RUN")
+
+
+def nixl_snippet(text: str) -> str:
+    """The Python the build runs to name NIXL's wheel (the same in the Makefile)."""
+    found = re.findall(r"python -c ['\"]([^'\"]*nixl_package[^'\"]*)['\"]", text)
+    assert found, "NIXL's wheel is not chosen by nixl_package()"
+    return str(found[0])
+
+
+@pytest.mark.parametrize(("cuda", "wheel"), [("13.0", "nixl-cu13"), ("12.8", "nixl-cu12"),
+                                             (None, "nixl-cu12")])  # fmt: skip
+def test_the_worker_image_installs_the_nixl_wheel_for_its_torchs_cuda(
+    monkeypatch: pytest.MonkeyPatch, cuda: str | None, wheel: str
+) -> None:
+    import contextlib
+    import io
+
+    import torch
+    from splitserve_worker.kv.nixl_common import NIXL_VERSION
+
+    runs = worker_build_runs()
+    assert not re.search(r"nixl-cu\d+", runs), "a fixed NIXL wheel, whatever torch's CUDA"
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(nixl_snippet(runs), {})
+    assert out.getvalue().strip() == wheel
+    # the meta package without its dependencies (it would pull both wheels and a torch)
+    install = 'pip install --no-deps "${NIXL_PACKAGE}==${NIXL_VERSION}" "nixl==${NIXL_VERSION}"'
+    assert install in runs
+    args = dict(rest.split("=", 1) for word, rest in instructions("Dockerfile.worker")
+                if word == "ARG" and "=" in rest)  # fmt: skip
+    assert args["NIXL_VERSION"] == NIXL_VERSION and args["WITH_NIXL"] == "1"
+    make = (ROOT / "Makefile").read_text()
+    made = re.search(r"^NIXL_PACKAGE := (.*)$", make, re.M)
+    assert made is not None and made[1] == nixl_snippet(runs), "make setup chooses alike"
+    assert '-c "$(NIXL_PACKAGE)")==$(NIXL_VERSION)"' in make
+    assert f"NIXL_VERSION := {NIXL_VERSION}" in make
+
+
+def test_the_worker_image_is_a_gpu_image() -> None:
+    """A pinned CUDA torch, the driver capabilities CUDA and NVML need, and a C compiler in
+    the runtime stage (Triton builds its launcher at first use: FlexAttention on CUDA)."""
+    found = instructions("Dockerfile.worker")
+    args = dict(rest.split("=", 1) for word, rest in found if word == "ARG" and "=" in rest)
+    assert re.fullmatch(r"torch==\d+\.\d+\.\d+", args["TORCH_SPEC"])
+    env = " ".join(rest for word, rest in found if word == "ENV").split()
+    assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in env
+    assert not any(e.startswith("NVIDIA_VISIBLE_DEVICES") for e in env), "the device plugin's"
+    runtime = found[max(i for i, (word, _) in enumerate(found) if word == "FROM") :]
+    installs = " ".join(rest for word, rest in runtime if word == "RUN")
+    assert "apt-get install -y --no-install-recommends gcc" in installs
+    assert "rm -rf /var/lib/apt/lists/*" in installs
+    assert args["WITH_FLASHINFER"] == "0", "FlashInfer stays optional"

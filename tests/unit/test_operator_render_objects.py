@@ -216,6 +216,8 @@ def test_command_lines() -> None:
         str(WORKER_KV_PORT),
         "--drain-seconds",
         "50",
+        "--device",
+        "cuda",
     ]
     for pool in ("prefill", "decode", "router"):
         assert pod(objs, pool)["terminationGracePeriodSeconds"] == 60
@@ -246,6 +248,17 @@ def test_command_lines() -> None:
         TOKEN_FILE,
     ]
     assert env(objs, "decode")["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+
+def test_a_pool_with_gpus_runs_on_cuda_and_one_without_on_the_cpu() -> None:
+    """A GPU pod never falls back to the CPU quietly: the worker is told ``--device cuda``
+    (and exits at start if no GPU is visible); a CPU pod never takes a GPU the node's
+    runtime happens to expose."""
+    objs = objects({"prefill": {"gpus": 2}, "decode": {"gpus": 0}})
+    assert arg(objs, "prefill", "--device") == "cuda"
+    assert arg(objs, "decode", "--device") == "cpu"
+    assert container(objs, "prefill")["args"].count("--device") == 1
+    assert "--device" not in container(objs, "router")["args"]
 
 
 def test_worker_pods_carry_the_role_label_the_router_discovers_them_by() -> None:

@@ -95,6 +95,7 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
         str(WORKER_DRAIN_SECONDS),
         *(["--checksums"] if spec.kv_transfer.checksums else []),
         *(["--kv-streams", str(spec.kv_transfer.streams)] if spec.kv_transfer.streams else []),
+        *device_args(spec, pool),
         *engine_args(spec, pool),
     ]
 
@@ -102,6 +103,13 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
 def number(value: float) -> str:
     """A number for a command line: ``30`` rather than ``30.0``, ``0.25`` as it is."""
     return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def device_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
+    """``--device cuda`` for a pool with GPUs (a pod without a visible GPU then exits
+    with an error instead of serving on the CPU), ``--device cpu`` for one without (it
+    never takes a GPU the node's runtime happens to expose)."""
+    return ["--device", "cuda" if spec.worker_pool(pool).gpus > 0 else "cpu"]
 
 
 def engine_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:

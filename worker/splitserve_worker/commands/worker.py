@@ -3,7 +3,9 @@
 Prints one line ``READY <host:port>`` on stdout once it serves (preceded by
 ``METRICS <port>`` when it serves Prometheus metrics), then runs until SIGTERM or SIGINT,
 when it stops taking calls, lets running ones finish for up to ``--drain-seconds``, and
-exits.
+exits. A bad setting, or ``--device cuda`` where no CUDA device is visible, ends it at
+start with one ``error:`` line and status 2; a sticky device error while serving ends it
+with one ``error:`` line and status 3, for Kubernetes to restart it.
 """
 
 from __future__ import annotations
@@ -200,12 +202,13 @@ async def serve(config: WorkerConfig) -> int:
     from splitserve_worker.kv.nixl_common import loopback_env
     from splitserve_worker.models import ModelError
     from splitserve_worker.server.app import start_worker
+    from splitserve_worker.server.device_health import DEVICE_FAILED_EXIT, DeviceUnavailable
 
     if config.kv_backend == "nixl" and config.host in ("127.0.0.1", "localhost"):
         loopback_env()
     try:
         worker = await start_worker(config)
-    except (ModelError, OSError, ValueError) as e:  # what to fix is in the message
+    except (ModelError, OSError, ValueError, DeviceUnavailable) as e:  # the fix is said
         print(f"error: {e}", file=sys.stderr)
         return 2
     if worker.metrics_port is not None:
@@ -215,7 +218,15 @@ async def serve(config: WorkerConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(worker.device_failed.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    if worker.device.failure is not None:
+        # nothing running here can finish on this device: stop now, for a restart
+        print(f"error: {worker.device.failure}", file=sys.stderr, flush=True)
+        await worker.stop(grace=0)
+        return DEVICE_FAILED_EXIT
     print(f"stopping: running calls have {config.drain_seconds:g} s to finish", flush=True)
     await worker.stop(grace=config.drain_seconds)
     return 0

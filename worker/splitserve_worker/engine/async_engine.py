@@ -41,8 +41,13 @@ class EngineStopped(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(
+        self, engine: Engine, on_error: Callable[[BaseException], None] | None = None
+    ) -> None:
+        """``on_error`` sees every error an engine step or call raised, on the engine
+        thread (the worker looks there for a failed device)."""
         self.engine = engine
+        self._on_error = on_error
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -91,6 +96,7 @@ class AsyncEngine:
                     outputs = self.engine.step()
                 except Exception as e:  # the thread boundary: fail the requests, keep serving
                     log.exception("engine step failed")
+                    self._report(e)
                     outputs = self._fail_all(f"engine step failed: {e!r}")
                 self._stats = self.engine.stats()
                 self._dispatch(outputs)
@@ -99,6 +105,13 @@ class AsyncEngine:
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
         self._drain_calls()
+
+    def _report(self, e: BaseException) -> None:
+        if self._on_error is not None:
+            try:
+                self._on_error(e)
+            except Exception:  # the thread boundary: a listener's bug must not stop it
+                log.exception("the engine's error listener failed")
 
     def _drain_calls(self) -> None:
         while True:
@@ -139,6 +152,7 @@ class AsyncEngine:
                 result = fn(*args)
             except BaseException as e:  # handed to the awaiting caller, not swallowed
                 self._stats = self.engine.stats()
+                self._report(e)
                 loop.call_soon_threadsafe(_set_exception, fut, e)
             else:
                 self._stats = self.engine.stats()

@@ -17,6 +17,8 @@ What both sides check first (compat fields and hash) is the contract's
   :mod:`.grpc_sender`, :mod:`.kvwire` (its message without extra copies);
 - shared by ``tcp`` and ``grpc``: :mod:`.span_sender` (layers into spans, a thread per
   stream) and :mod:`.span_receiver` (spans checked and placed in the blocks);
+- :mod:`.staging`: a device layer made readable off the engine thread (pinned host
+  copies on a side stream, events the reading threads wait on);
 - the ``nixl`` backend: :mod:`.nixl_backend`, :mod:`.nixl_receiver`, :mod:`.nixl_common`.
 
 Imports the standard library, torch, grpcio (``grpc`` only), NIXL (``nixl`` only) and the

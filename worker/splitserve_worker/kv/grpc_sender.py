@@ -19,6 +19,7 @@ from splitserve.v1 import worker_pb2
 
 from splitserve_worker.kv import kvwire
 from splitserve_worker.kv.span_sender import SpanOut, SpanSender, default_streams
+from splitserve_worker.kv.staging import HostStaging
 from splitserve_worker.kv.transport import (
     MAX_STREAMS,
     BackendContext,
@@ -107,6 +108,8 @@ class GrpcSenderBackend:
             raise ValueError(f"KV streams must be 1 to {MAX_STREAMS}, got {self.streams}")
         self._lock = threading.Lock()
         self._channels: dict[tuple[str, int], tuple[grpc.Channel, float]] = {}
+        self._staging = HostStaging()
+        """Device layers to pinned host memory, one side stream per device for every push."""
 
     def _channel(self, address: str, i: int) -> grpc.Channel:
         """Channel ``i`` to ``address``: each of a push's calls on a connection of its own.
@@ -131,7 +134,7 @@ class GrpcSenderBackend:
             raise TransferError("the handle names no decode worker address", "handle")
         streams = [GrpcStream(self._channel(target.decode_address, i), target, self._ctx.token)
                    for i in range(self.streams)]  # fmt: skip
-        return SpanSender(target, self._ctx, list(streams), "grpc")
+        return SpanSender(target, self._ctx, list(streams), "grpc", self._staging)
 
     def close(self) -> None:
         with self._lock:

@@ -11,12 +11,17 @@ Prefill side (:class:`NixlSenderBackend`): ``LANES`` posting lanes, each one NIX
 and one thread, load each decode worker's metadata once. Layers go to the lanes in turn.
 In host memory the engine's fresh K/V tensors of each layer are registered with the
 lane's agent and written from directly (no copy); GPU tensors are staged into a small
-registered ring (registering GPU memory per layer is slow). A lane posts one WRITE per
-layer (a descriptor per (K|V, block) span) and drives it to completion; at most
-``RING_SLOTS`` layers are in flight per request, which bounds memory and holds the engine
-back if the wire is slower. Several lanes matter where UCX copies in the posting thread
-(CMA between processes on one host copies synchronously inside ``transfer()``): each
-lane's copy then runs on its own core.
+registered ring (registering GPU memory per layer is slow) on the engine's stream, and
+an event recorded after that copy is what the lane waits for before it posts: UCX reads
+the ring outside CUDA's stream order, and the GPU may still be layers behind the engine
+thread (:mod:`.staging`). A lane posts one WRITE per layer (a descriptor per (K|V,
+block) span) and drives it to completion; at most ``RING_SLOTS`` layers are in flight
+per request, which bounds memory and holds the engine back if the wire is slower. The
+rings are reused across requests and bounded (:class:`StagingRing`). Several lanes
+matter where UCX copies in the posting thread (CMA between processes on one host copies
+synchronously inside ``transfer()``): each lane's copy then runs on its own core. Lane
+threads, and the thread that loads a decode worker's metadata, work in the device's CUDA
+context.
 
 NIXL is optional: :func:`unavailable_reason` says why it cannot be used here.
 """
@@ -31,6 +36,8 @@ import secrets
 import threading
 import time
 import zlib
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +55,7 @@ from splitserve_worker.kv.nixl_common import (
 from splitserve_worker.kv.nixl_common import notif as make_notif
 from splitserve_worker.kv.nixl_common import unavailable_reason as unavailable_reason
 from splitserve_worker.kv.nixl_receiver import NixlReceiver
+from splitserve_worker.kv.staging import DONE, Ready, bind_device, record_current
 from splitserve_worker.kv.transport import (
     BackendContext,
     SendStats,
@@ -67,6 +75,15 @@ the copies contend for memory bandwidth."""
 SLOT_WAIT_S = 10.0
 """Longest the engine thread waits for an in-flight layer to finish before declaring the
 push dead (a layer takes milliseconds; only a stuck peer takes this long)."""
+
+MIN_STAGING_BYTES = 1 << 20
+"""Smallest staging buffer; sizes are rounded up to a power of two so that a buffer
+serves the next requests of about the same length."""
+
+MAX_IDLE_STAGING_BYTES = 256 << 20
+"""Staging memory (GPU memory, registered with every lane) kept for reuse between
+requests: two rings of 8,192-token prompts of a Llama-3-8B-shaped model. Beyond it the
+buffers returned longest ago are deregistered and freed."""
 
 
 @dataclass
@@ -95,72 +112,133 @@ class _Job:
     notif: bytes
     keep: tuple[Any, ...] = ()
     """Tensors the write reads from, and their registration (released when done)."""
+    ready: Ready = DONE
+    """When the bytes the write reads hold the layer (a staging copy on the device)."""
     handle: Any = None
     posted: float = field(default=0.0)
 
 
-class _Ring:
-    """Registered staging buffers (with every lane's agent), reused across requests."""
+@dataclass(eq=False)
+class StagingBuffer:
+    """One registered staging buffer: its tensor and its registration with each agent."""
 
-    def __init__(self, agents: list[Any]) -> None:
+    tensor: torch.Tensor
+    regs: list[tuple[Any, Any]]
+    """``(agent, registration)`` pairs, deregistered when the buffer is freed."""
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.tensor.numel())
+
+
+def staging_size(nbytes: int) -> int:
+    """The size a staging buffer of at least ``nbytes`` is allocated with."""
+    return max(MIN_STAGING_BYTES, 1 << max(0, nbytes - 1).bit_length())
+
+
+class StagingRing:
+    """Registered staging buffers, reused across requests (registering per request is
+    slow), bounded: at most ``max_idle_bytes`` wait idle for reuse, and those returned
+    longest ago go first."""
+
+    def __init__(self, agents: list[Any], max_idle_bytes: int = MAX_IDLE_STAGING_BYTES) -> None:
         self._agents = agents
-        self._free: list[torch.Tensor] = []
-        self._regs: list[Any] = []
+        self._max_idle = max_idle_bytes
+        self._free: list[StagingBuffer] = []
+        """Idle buffers, returned longest ago first."""
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+    @property
+    def idle_bytes(self) -> int:
         with self._lock:
-            for i, buf in enumerate(self._free):
-                if buf.numel() >= nbytes and buf.device == device:
-                    return self._free.pop(i)
-        buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device)
-        self._regs.extend(agent.register_memory(buf) for agent in self._agents)
-        return buf
+            return sum(b.nbytes for b in self._free)
 
-    def give(self, buf: torch.Tensor) -> None:
+    def take(self, nbytes: int, device: torch.device) -> StagingBuffer:
+        """An idle buffer of at least ``nbytes`` on ``device`` (the smallest that fits),
+        else a new one."""
+        with self._lock:
+            fits = [b for b in self._free if b.nbytes >= nbytes and b.tensor.device == device]
+            if fits:
+                buf = min(fits, key=lambda b: b.nbytes)
+                self._free.remove(buf)
+                return buf
+        t = torch.empty(staging_size(nbytes), dtype=torch.uint8, device=device)
+        return StagingBuffer(t, [(agent, agent.register_memory(t)) for agent in self._agents])
+
+    def give(self, buf: StagingBuffer) -> None:
+        """Keep ``buf`` for reuse; free the oldest idle buffers beyond the bound."""
         with self._lock:
             self._free.append(buf)
+            gone = []
+            while self._free and sum(b.nbytes for b in self._free) > self._max_idle:
+                gone.append(self._free.pop(0))
+        for old in gone:
+            self._drop(old)
+
+    def close(self) -> None:
+        with self._lock:
+            gone, self._free = self._free, []
+        for old in gone:
+            self._drop(old)
+
+    @staticmethod
+    def _drop(buf: StagingBuffer) -> None:
+        for agent, reg in buf.regs:
+            agent.deregister_memory(reg)
+        buf.regs = []
 
 
-class _Lane:
-    """One NIXL agent and the thread that posts its writes and drives them to completion."""
+class Lane:
+    """One NIXL agent and the thread that posts its writes, each once its bytes are ready,
+    and drives them to completion."""
 
-    def __init__(self, name: str) -> None:
-        self.agent = make_agent(name)
+    def __init__(self, agent: Any, name: str, device: torch.device | None = None) -> None:
+        self.agent = agent
         self.jobs: queue.Queue[_Job] = queue.Queue()
+        self._device = device
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"nixl-push-{name}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        bind_device(self._device)  # UCX's CUDA transports post in this thread's context
+        waiting: deque[_Job] = deque()
+        """Taken, not posted yet: their staging copy may still be running on the GPU."""
         inflight: list[_Job] = []
         while not self._stop.is_set():
-            try:
-                while True:
-                    inflight.append(self._post(self.jobs.get_nowait()))
-            except queue.Empty:
-                pass
-            still = []
-            for job in inflight:
-                try:
-                    state = "ERR" if job.handle is None else self.agent.check_xfer_state(job.handle)
-                except Exception:  # NIXL reports a dead peer by raising; the layer failed
-                    state = "ERR"
-                if state == "PROC":
-                    still.append(job)
-                    continue
-                if job.handle is not None:
-                    self.agent.release_xfer_handle(job.handle)
-                if job.keep:
-                    self.agent.deregister_memory(job.keep[-1])
-                    job.keep = ()
-                job.sender.layer_done(job, ok=state == "DONE")
-            inflight = still
-            if inflight:
+            self._take(waiting, block=not waiting and not inflight)
+            # in order: a write is posted only once the device has written what it reads
+            while waiting and (waiting[0].sender.failed or waiting[0].ready.done()):
+                inflight.append(self._post(waiting.popleft()))
+            inflight = self._progress(inflight)
+            if waiting or inflight:
                 time.sleep(POLL_BUSY_S)
-            else:
-                with contextlib.suppress(queue.Empty):
-                    inflight.append(self._post(self.jobs.get(timeout=0.05)))
+
+    def _take(self, waiting: deque[_Job], block: bool) -> None:
+        with contextlib.suppress(queue.Empty):
+            if block:
+                waiting.append(self.jobs.get(timeout=0.05))
+            while True:
+                waiting.append(self.jobs.get_nowait())
+
+    def _progress(self, inflight: list[_Job]) -> list[_Job]:
+        """Finish the writes that completed or failed; the others are still in flight."""
+        still = []
+        for job in inflight:
+            try:
+                state = "ERR" if job.handle is None else self.agent.check_xfer_state(job.handle)
+            except Exception:  # NIXL reports a dead peer by raising; the layer failed
+                state = "ERR"
+            if state == "PROC":
+                still.append(job)
+                continue
+            if job.handle is not None:
+                self.agent.release_xfer_handle(job.handle)
+            if job.keep:
+                self.agent.deregister_memory(job.keep[-1])
+                job.keep = ()
+            job.sender.layer_done(job, ok=state == "DONE")
+        return still
 
     def _post(self, job: _Job) -> _Job:
         if job.sender.failed:
@@ -185,14 +263,40 @@ class _Lane:
         self._thread.join(timeout=2)
 
 
+def on_device(t: torch.Tensor) -> bool:
+    """Whether a layer is staged into the ring (device memory) or written in place."""
+    return t.device.type != "cpu"
+
+
 class NixlSenderBackend:
+    """The prefill side: lanes, the staging ring, and the decode workers it has loaded.
+
+    The keyword arguments are the parts tests swap: ``make_agent`` (a NIXL agent by name),
+    ``staged`` (whether a layer's tensor is staged into the ring), ``record`` (the event
+    after a staging copy on a device) and ``device`` (whose CUDA context the lanes work
+    in; by default the pool's)."""
+
     name = "nixl"
 
-    def __init__(self, ctx: BackendContext, lanes: int = LANES) -> None:
+    def __init__(
+        self,
+        ctx: BackendContext,
+        lanes: int = LANES,
+        *,
+        make_agent: Callable[[str], Any] = make_agent,
+        staged: Callable[[torch.Tensor], bool] = on_device,
+        record: Callable[[torch.device], Ready] = record_current,
+        device: torch.device | None = None,
+        max_idle_staging_bytes: int = MAX_IDLE_STAGING_BYTES,
+    ) -> None:
         self._ctx = ctx
+        self.device = device if device is not None else (ctx.pool.pool.device if ctx.pool else None)
+        self.staged = staged
+        self.record = record
         base = f"{ctx.name_hint}-p{os.getpid()}-{secrets.token_hex(4)}"
-        self.lanes = [_Lane(f"{base}-{i}") for i in range(max(1, lanes))]
-        self._ring = _Ring([lane.agent for lane in self.lanes])
+        self.lanes = [Lane(make_agent(f"{base}-{i}"), f"{base}-{i}", self.device)
+                      for i in range(max(1, lanes))]  # fmt: skip
+        self.ring = StagingRing([lane.agent for lane in self.lanes], max_idle_staging_bytes)
         self._remotes: dict[str, _Remote] = {}
         self._lock = threading.Lock()
 
@@ -205,6 +309,7 @@ class NixlSenderBackend:
         with self._lock:
             r = self._remotes.get(h["agent"])
             if r is None:
+                bind_device(self.device)  # UCX loads the peer's GPU memory in this context
                 names = {lane.agent.add_remote_agent(md) for lane in self.lanes}
                 name = names.pop()
                 name = name.decode() if isinstance(name, bytes) else name
@@ -218,12 +323,13 @@ class NixlSenderBackend:
             raise TransferError("the handle carries no NIXL metadata: Reserve with kv_backend=nixl")
         return NixlSender(self, target, self.remote(target.backend_metadata))
 
-    def lane(self, layer: int) -> _Lane:
+    def lane(self, layer: int) -> Lane:
         return self.lanes[layer % len(self.lanes)]
 
     def close(self) -> None:
         for lane in self.lanes:
             lane.close()
+        self.ring.close()
 
 
 class NixlSender:
@@ -234,7 +340,7 @@ class NixlSender:
         self._ctx = backend._ctx
         self._faults = FaultInjector(self._ctx.faults)
         self._slot_bytes = 2 * target.num_tokens * remote.token_bytes
-        self._buf: torch.Tensor | None = None
+        self._buf: StagingBuffer | None = None
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(RING_SLOTS):
             self._free.put(i)
@@ -296,18 +402,21 @@ class NixlSender:
         corrupt = self._faults.should_corrupt()
         lane = self._b.lane(layer)
         keep: tuple[Any, ...] = ()
-        if k.is_cuda:
+        ready = DONE
+        if self._b.staged(k):
             # GPU: stage into the registered ring (registering GPU memory per layer is slow)
             if self._buf is None:
-                self._buf = self._b._ring.take(RING_SLOTS * self._slot_bytes, k.device)
+                self._buf = self._b.ring.take(RING_SLOTS * self._slot_bytes, k.device)
             base = slot * self._slot_bytes
-            stage = self._buf[base : base + 2 * n * tb]
+            stage = self._buf.tensor[base : base + 2 * n * tb]
             stage[: n * tb].view(k.dtype).copy_(k.reshape(-1))
             stage[n * tb :].view(v.dtype).copy_(v.reshape(-1))
             if corrupt:
                 stage[0] ^= 0xFF
+            # after every copy into the slot, on the same stream: the lane posts once done
+            ready = self._b.record(k.device)
             addrs = (int(stage.data_ptr()), int(stage.data_ptr()) + n * tb)
-            mem, dev = mem_type(self._buf), device_id(self._buf)
+            mem, dev = mem_type(self._buf.tensor), device_id(self._buf.tensor)
         else:
             # host memory: register the engine's fresh K/V tensors and write from them
             kt, vt = owned(k), owned(v)
@@ -327,7 +436,7 @@ class NixlSender:
         with self._lock:
             self._pending += 1
         notif = make_notif(self._t.request_id, self._t.lease_id, layer, start_token + n)
-        lane.jobs.put(_Job(self, layer, slot, mem, local, remote, notif, keep=keep))
+        lane.jobs.put(_Job(self, layer, slot, mem, local, remote, notif, keep=keep, ready=ready))
         self.stats.bytes_sent += 2 * n * tb
         self.stats.layers_sent = max(self.stats.layers_sent, layer + 1)
 
@@ -344,6 +453,9 @@ class NixlSender:
         with self._lock:
             self._pending -= 1
             self._idle.notify_all()
+            last = self._closed and self._pending == 0
+        if last:
+            self._give_back()
 
     def finish(self, timeout: float) -> SendStats:
         with self._lock:
@@ -365,9 +477,15 @@ class NixlSender:
                 return
             self._closed = True
             pending = self._pending
-        if pending == 0 and self._buf is not None:
-            self._b._ring.give(self._buf)
-        # else: a write is still in flight into this buffer; it is not reused.
+        if pending == 0:
+            self._give_back()
+        # else: a write still reads this buffer; the last one to finish gives it back
+
+    def _give_back(self) -> None:
+        with self._lock:
+            buf, self._buf = self._buf, None
+        if buf is not None:
+            self._b.ring.give(buf)
 
     def abort(self, reason: str) -> None:
         self.fail(f"aborted: {reason}", "aborted")

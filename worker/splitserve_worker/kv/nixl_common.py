@@ -1,4 +1,11 @@
-"""NIXL pieces both sides share: availability, agent creation, memory kinds, notifications."""
+"""NIXL pieces both sides share: availability, agent creation, memory kinds, notifications.
+
+NIXL ships one wheel per CUDA major (``nixl-cu12``, ``nixl-cu13``) and a meta package,
+``nixl``, whose loader picks the one matching ``torch.version.cuda`` and refuses the
+other: :func:`nixl_package` names the wheel for this torch (a CPU torch takes either;
+``nixl-cu12`` is the one tried on CPU hosts); the Makefile and the worker image install
+what it names.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +20,40 @@ POLL_IDLE_S = 0.002
 POLL_BUSY_S = 0.0002
 
 
+NIXL_VERSION = "1.5.1"
+"""The NIXL release installed and tested (the meta package and the per-CUDA wheel)."""
+CPU_NIXL_PACKAGE = "nixl-cu12"
+"""What a CPU torch takes: NIXL's loader then uses whichever wheel is installed, and this
+one imports and moves host memory without a GPU."""
+
+
+def nixl_package(cuda: str | None = None) -> str:
+    """The NIXL wheel for a torch built for CUDA ``cuda`` (``torch.version.cuda`` by
+    default; ``None``: a CPU build)."""
+    if cuda is None:
+        cuda = torch.version.cuda
+    if not cuda:
+        return CPU_NIXL_PACKAGE
+    return f"nixl-cu{cuda.split('.')[0]}"
+
+
+def install_hint(cuda: str | None = None) -> str:
+    """The command that installs NIXL for this torch: the meta package without its
+    dependencies (it would pull both CUDA wheels, and a CUDA torch with them)."""
+    pkg = nixl_package(cuda)
+    return f"pip install --no-deps {pkg}=={NIXL_VERSION} nixl=={NIXL_VERSION}"
+
+
 def unavailable_reason() -> str | None:
     try:
         import nixl._api  # noqa: F401
     except Exception as e:  # any import failure (missing wheel, missing libs) means "absent"
-        return f"NIXL is not importable here ({type(e).__name__}: {e}); pip install nixl-cu12"
+        cuda = torch.version.cuda
+        built = f"built for CUDA {cuda}" if cuda else "a CPU build"
+        return (
+            f"NIXL is not importable here ({type(e).__name__}: {e}); this torch "
+            f"({torch.__version__}) is {built}: {install_hint(cuda)}"
+        )
     return None
 
 

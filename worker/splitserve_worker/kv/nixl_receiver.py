@@ -18,6 +18,7 @@ from splitserve_worker.kv.nixl_common import (
     mem_type,
     parse_notif,
 )
+from splitserve_worker.kv.staging import bind_device
 from splitserve_worker.kv.transport import BackendContext
 
 
@@ -29,8 +30,9 @@ class NixlReceiver:
         self._pool: PoolView = ctx.pool
         self._leases: LeaseTable = ctx.leases
         self._name = f"{ctx.name_hint}-d{os.getpid()}-{secrets.token_hex(4)}"
-        self._agent = make_agent(self._name)
         pool = self._pool.pool
+        bind_device(pool.device)  # UCX registers GPU memory in the caller's CUDA context
+        self._agent = make_agent(self._name)
         self._reg = self._agent.register_memory(pool)
         header = {
             "agent": self._name,
@@ -50,6 +52,7 @@ class NixlReceiver:
         return self._metadata
 
     def _poll(self) -> None:
+        bind_device(self._pool.pool.device)
         while not self._stop.is_set():
             got = self._agent.get_new_notifs()
             for msgs in got.values():

@@ -1,13 +1,15 @@
 """The prefill side of the ``tcp`` and ``grpc`` backends: layers cut into spans, dealt to
 the push's streams, written by a thread per stream.
 
-``send_layer`` keeps the layer's K and V tensors (the engine hands over fresh ones; a
-view is copied), takes their crc32 when checksums are on, and queues spans of about
+``send_layer`` keeps the layer's K and V tensors in host memory (the engine hands over
+fresh ones; a view is copied; a device layer is copied into pinned memory on a side
+stream, :mod:`.staging`, which the engine thread does not wait for), takes their crc32
+when checksums are on (waiting for that copy: checksums cost a pass), and queues spans of about
 4 MiB (:data:`~.layout.CHUNK_BYTES`) on bounded queues, one per stream, in turn: the push
 overlaps the next layer's compute, and a slow receiver holds the engine back instead of
 buffering without bound. Each stream (a connection, a gRPC call: :class:`Stream`) writes
-its spans from the tensors themselves, then ends its part of the push and reports the
-layers the decode side holds.
+its spans from the tensors themselves, once their copy is done, then ends its part of the
+push and reports the layers the decode side holds.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from typing import Protocol
 import torch
 
 from splitserve_worker.kv.faults import FaultInjector, InjectedFault
-from splitserve_worker.kv.layout import as_bytes, owned, token_chunks
+from splitserve_worker.kv.layout import as_bytes, token_chunks
+from splitserve_worker.kv.staging import DONE, HostStaging, Ready, Stager
 from splitserve_worker.kv.transport import BackendContext, SendStats, TransferError, TransferTarget
 
 QUEUE_DEPTH = 16
@@ -38,13 +41,15 @@ POLL_S = 0.05
 @dataclass(frozen=True)
 class SpanOut:
     """One span waiting for the wire: tokens ``[start, start + count)`` of ``layer``, its
-    K and V bytes (views of the tensors), and their crc32 when checksums are on."""
+    K and V bytes (views of the tensors), their crc32 when checksums are on, and when
+    those bytes hold their values."""
 
     layer: int
     start: int
     count: int
     parts: tuple[memoryview | bytes, ...]
     crc32: int | None
+    ready: Ready = DONE
 
     @property
     def nbytes(self) -> int:
@@ -89,11 +94,12 @@ class SpanSender:
     """A :class:`~.transport.KVSender` over ``streams``."""
 
     def __init__(self, target: TransferTarget, ctx: BackendContext, streams: list[Stream],
-                 name: str) -> None:  # fmt: skip
+                 name: str, stager: Stager | None = None) -> None:  # fmt: skip
         self._t = target
         self._ctx = ctx
         self._name = name
         self._streams = streams
+        self._stager = stager or HostStaging()
         self._faults = FaultInjector(ctx.faults)
         depth = max(2, QUEUE_DEPTH // len(streams))
         self._queues: list[queue.Queue[SpanOut | None]] = [queue.Queue(depth) for _ in streams]
@@ -124,6 +130,7 @@ class SpanSender:
                 return
             if self._closed.is_set():
                 raise Stopped()
+            item.ready.wait()  # a device layer's copy to the host: the wire reads it next
             yield item
 
     def _pump(self, i: int) -> None:
@@ -153,14 +160,17 @@ class SpanSender:
         if not self.stats.first_send:
             self.stats.first_send = time.monotonic()
         n = int(k.shape[0])
-        # the engine hands over fresh tensors: keep them as they are (views are copied)
-        kall, vall = as_bytes(owned(k).cpu()), as_bytes(owned(v).cpu())
+        # fresh host tensors are kept as they are; device ones are being copied to the host
+        kt, vt, ready = self._stager.to_host(k, v)
+        kall, vall = as_bytes(kt), as_bytes(vt)
+        corrupt = self._faults.should_corrupt()
+        if self._crc or corrupt:
+            ready.wait()  # the checksum (or the injected corruption) reads the bytes here
         if self._crc:
             self._crc[2 * layer] = zlib.crc32(kall, self._crc[2 * layer])
             self._crc[2 * layer + 1] = zlib.crc32(vall, self._crc[2 * layer + 1])
         per_token = len(kall) // n if n else 1
         starts = token_chunks(n, 2 * per_token)
-        corrupt = self._faults.should_corrupt()
         for i, s in enumerate(starts):
             end = starts[i + 1] if i + 1 < len(starts) else n
             lo, hi = s * per_token, end * per_token
@@ -169,7 +179,7 @@ class SpanSender:
             parts: tuple[memoryview | bytes, ...] = (kb, vb)
             if corrupt and i == 0:  # after the checksum: the receiver must notice
                 parts = (self._faults.corrupt(bytes(kb)), vb)
-            if not self._put(SpanOut(layer, start_token + s, end - s, parts, crc)):
+            if not self._put(SpanOut(layer, start_token + s, end - s, parts, crc, ready)):
                 return
             self.stats.bytes_sent += len(kb) + len(vb)
         self.stats.layers_sent = max(self.stats.layers_sent, layer + 1)

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 from splitserve_worker.kv import tcp_wire as wire
 from splitserve_worker.kv.span_sender import SpanOut, SpanSender, default_streams
+from splitserve_worker.kv.staging import HostStaging
 from splitserve_worker.kv.tcp_socket import PeerClosed, cut, recv_exact, send_all, tune
 from splitserve_worker.kv.tcp_wire import Answer, WireError
 from splitserve_worker.kv.transport import (
@@ -277,6 +278,8 @@ class TcpSenderBackend:
         if not 1 <= self.streams <= MAX_STREAMS:
             raise ValueError(f"KV streams must be 1 to {MAX_STREAMS}, got {self.streams}")
         self._tls = ctx.tls.client_context() if ctx.tls is not None and ctx.tls.verifies else None
+        self._staging = HostStaging()
+        """Device layers to pinned host memory, one side stream per device for every push."""
 
     def _key(self, target: TransferTarget) -> tuple[tuple[str, int], bool]:
         host = target.decode_address.rpartition(":")[0].strip("[]")
@@ -304,7 +307,7 @@ class TcpSenderBackend:
                 "handle",
             )
         streams = [TcpStream(self, target, key, self._tls) for _ in range(self.streams)]
-        return SpanSender(target, self.ctx, list(streams), "tcp")
+        return SpanSender(target, self.ctx, list(streams), "tcp", self._staging)
 
     def close(self) -> None:
         self.pool.close()

@@ -3,7 +3,8 @@
 Where there is no GPU, no driver or no ``pynvml``, the collector exports
 nothing and never raises: a CPU-only worker serves the same ``/metrics``
 without the GPU series. NVML is asked at scrape time, so the numbers are as
-fresh as the scrape.
+fresh as the scrape. A worker on CUDA registers it at start
+(:func:`register_device_metrics`), and says in one log line when NVML is not there.
 """
 
 from __future__ import annotations
@@ -24,17 +25,18 @@ PERCENT = 100.0
 """NVML reports utilisation in percent; the metric is a 0..1 ratio."""
 
 
-def _load_nvml() -> ModuleType | None:
+def _load_nvml() -> tuple[ModuleType | None, str]:
+    """pynvml, initialised, or None and why not."""
     try:
         import pynvml
     except ImportError:
-        return None
+        return None, "pynvml is not installed (pip install nvidia-ml-py)"
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:  # no driver, no device: a normal CPU host
         log.debug("NVML unavailable, GPU metrics off: %s", exc)
-        return None
-    return pynvml
+        return None, f"NVML did not start ({exc})"
+    return pynvml, ""
 
 
 class GpuCollector(Collector):
@@ -48,11 +50,13 @@ class GpuCollector(Collector):
         self._nvml = nvml
         self._loaded = nvml is not None
         self._lock = threading.Lock()
+        self.unavailable = ""
+        """Why NVML gives nothing here ('' while it answers)."""
 
     def _get_nvml(self) -> Any | None:
         with self._lock:
             if not self._loaded:
-                self._nvml = _load_nvml()
+                self._nvml, self.unavailable = _load_nvml()
                 self._loaded = True
             return self._nvml
 
@@ -63,9 +67,13 @@ class GpuCollector(Collector):
         if nvml is None:
             return False
         try:
-            return int(nvml.nvmlDeviceGetCount()) > 0
-        except nvml.NVMLError:
+            count = int(nvml.nvmlDeviceGetCount())
+        except nvml.NVMLError as exc:
+            self.unavailable = f"NVML cannot count the GPUs ({exc})"
             return False
+        if count == 0:
+            self.unavailable = "NVML sees no GPU"
+        return count > 0
 
     def describe(self) -> list[GaugeMetricFamily]:
         # Registration must not touch NVML (and must not call collect()).
@@ -103,5 +111,26 @@ class GpuCollector(Collector):
 def register_gpu_collector(registry: CollectorRegistry, nvml: Any | None = None) -> GpuCollector:
     """Adds a :class:`GpuCollector` to ``registry`` and returns it (harmless without a GPU)."""
     collector = GpuCollector(nvml)
+    registry.register(collector)
+    return collector
+
+
+def register_device_metrics(
+    registry: CollectorRegistry, device_type: str, nvml: Any | None = None
+) -> GpuCollector | None:
+    """The GPU series for a worker on a ``device_type`` device (``cuda``, ``cpu``): a
+    :class:`GpuCollector` in ``registry`` when the device is CUDA and NVML sees a GPU.
+    On CUDA without NVML, one warning says why the dashboard's GPU panel stays empty
+    and the worker goes on."""
+    if device_type != "cuda":
+        return None
+    collector = GpuCollector(nvml)
+    if not collector.available:
+        log.warning(
+            "GPU metrics off: %s; the GPU panel stays empty (the worker image has "
+            "nvidia-ml-py; the container needs NVIDIA_DRIVER_CAPABILITIES=compute,utility)",
+            collector.unavailable,
+        )
+        return None
     registry.register(collector)
     return collector

@@ -2,7 +2,8 @@
 the decode side of the KV handoff (``handoff``, and ``tcp_sink``, the tcp KV port wired
 to it), the prefill side (``prefill``, which calls the decode worker's Commit and
 Release through the worker client), prefix-cache events, the token check (``auth``,
-before a call's message is read), each RPC's request size (``message_limits``), and
+before a call's message is read), each RPC's request size (``message_limits``), the
+device's health (``device_health``: CUDA there when asked for, sticky device errors), and
 ``app.start_worker``, which assembles a worker and closes whatever it started when a
 step fails.
 

@@ -1,4 +1,9 @@
-"""Assemble a worker: model, engine, KV backends, the gRPC server, metrics, background tasks."""
+"""Assemble a worker: model, engine, KV backends, the gRPC server, metrics, background tasks.
+
+A worker told to run on CUDA checks first that it can (:mod:`.device_health`), and
+watches the engine's errors for a failed device: :attr:`RunningWorker.device_failed` is
+set then, and ``splitserve worker`` exits on it.
+"""
 
 from __future__ import annotations
 
@@ -24,8 +29,10 @@ from splitserve_worker.kv.transport import (
     ReceiverBackend,
     create_receiver_backend,
 )
+from splitserve_worker.metrics import gpu as gpu_metrics
 from splitserve_worker.server.auth import TokenAuthInterceptor
 from splitserve_worker.server.config import WorkerConfig
+from splitserve_worker.server.device_health import DeviceHealth, require_device
 from splitserve_worker.server.events import EventHub
 from splitserve_worker.server.handoff import DecodeHandoff
 from splitserve_worker.server.prefill import PrefillRunner
@@ -41,6 +48,9 @@ class RunningWorker:
     engine: Any
     service: WorkerService
     metrics: Metrics
+    device: DeviceHealth
+    device_failed: asyncio.Event
+    """Set once the engine met a sticky device error (``device.failure`` says which)."""
     metrics_port: int | None = None
     _resources: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
     """Everything :func:`start_worker` started, closed in the reverse order."""
@@ -62,12 +72,15 @@ async def start_worker(
     what leases are measured on (tests move it).
 
     When a step fails (a port taken, a KV backend that cannot start), everything started
-    before it is closed again, the engine thread included, and the error is raised.
+    before it is closed again, the engine thread included, and the error is raised. A
+    CUDA device that is not there raises :class:`~.device_health.DeviceUnavailable`
+    before anything is loaded.
     """
     from splitserve_worker.engine.async_engine import AsyncEngine
     from splitserve_worker.engine.engine import Engine
     from splitserve_worker.models import load_model
 
+    require_device(config.device)
     if loaded is None:
         loaded = await asyncio.to_thread(
             load_model, config.model, dtype=config.dtype, device=config.device
@@ -76,7 +89,16 @@ async def start_worker(
     try:
         metrics = Metrics(CollectorRegistry())
         engine = Engine(loaded, config.engine_config(), metrics)  # type: ignore[arg-type]
-        aengine = AsyncEngine(engine).start()
+        gpu_metrics.register_device_metrics(metrics.registry, engine.device.type)
+        device = DeviceHealth()
+        device_failed = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def failed(_: str) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(device_failed.set)
+
+        device.on_failure(failed)
+        aengine = AsyncEngine(engine, on_error=device.observe).start()
         stack.push_async_callback(aengine.close)
         compat = Compat.from_mapping(engine.compat_info())
 
@@ -155,6 +177,7 @@ async def start_worker(
             events=events,
             kv_backends=kv_backends,
             holds=config.faults.holds,
+            device=device,
         )
         add_to_server(service, server, engine.max_model_len)
         if handoff is not None:
@@ -179,6 +202,8 @@ async def start_worker(
             engine=aengine,
             service=service,
             metrics=metrics,
+            device=device,
+            device_failed=device_failed,
             metrics_port=metrics_port,
             _resources=stack,
         )

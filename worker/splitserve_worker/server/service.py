@@ -2,7 +2,9 @@
 
 Each handler is thin: it checks the worker's role, converts the message, calls the
 decode handoff (:mod:`.handoff`), the prefill runner (:mod:`.prefill`) or the engine,
-and turns known failures into the gRPC status the proto documents.
+and turns known failures into the gRPC status the proto documents. Once the device has
+failed (:mod:`.device_health`), every call is answered UNAVAILABLE with what failed:
+Health too, so the router stops sending work here while the worker restarts.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from splitserve_worker.server.convert import (
     sampling_from_proto,
     top_to_proto,
 )
+from splitserve_worker.server.device_health import DeviceHealth
 from splitserve_worker.server.errors import RpcFailure
 from splitserve_worker.server.events import EventHub
 from splitserve_worker.server.handoff import DecodeHandoff
@@ -47,6 +50,7 @@ def _unary(
         if isinstance(request, Oversized):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message())
         try:
+            self.refuse_if_failed()
             return await fn(self, request, context)
         except RpcFailure as e:
             await context.abort(e.code, e.message)
@@ -69,6 +73,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         events: EventHub,
         kv_backends: list[str],
         holds: Holds | None = None,
+        device: DeviceHealth | None = None,
     ) -> None:
         self.role = role
         self.engine = engine
@@ -80,6 +85,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.holds = holds or Holds()
         self.instance_id = uuid.uuid4().hex
         """This worker's own id in Health: a worker started again is another one."""
+        self.device = device or DeviceHealth()
+
+    def refuse_if_failed(self) -> None:
+        """Raise UNAVAILABLE once the device has failed: nothing here can run on it."""
+        failure = self.device.failure
+        if failure is not None:
+            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, failure)
 
     def _decode(self) -> DecodeHandoff:
         if self.handoff is None:
@@ -162,6 +174,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message())
         rid = request.request_id
         try:
+            self.refuse_if_failed()
             sampling = sampling_from_proto(request.sampling)
             if request.expect_remote_kv:
                 lease, stream = await self._decode().admit(
@@ -215,6 +228,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[pb.KVEvent]:
         if isinstance(request, Oversized):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message())
+        failure = self.device.failure
+        if failure is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, failure)
         async for ev in self.events.subscribe():
             yield ev
 
