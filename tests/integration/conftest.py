@@ -12,7 +12,8 @@ Reuse them from any integration test (the planner's too):
   ``$KUBECONFIG``.
 - ``start_operator``: starts the real kopf operator in a thread against the emulator,
   cluster-wide, with test-friendly settings; stopped at teardown. Call it again
-  after stopping one to restart.
+  after stopping one to restart, or beside a running one (with ``leader_election``) for a
+  standby (``wait_for_lead=False`` returns before it leads).
 - ``wait_for(predicate, timeout)``: poll until ``predicate()`` is truthy and return it.
 - ``inference_service(name, namespace, **spec)``: a manifest with a valid minimal spec.
 """
@@ -105,13 +106,12 @@ def operator_config(**overrides: Any) -> OperatorConfig:
 def start_operator(kube: EmulatorThread) -> Iterator[Callable[..., OperatorThread]]:
     started: list[OperatorThread] = []
 
-    def start(**overrides: Any) -> OperatorThread:
+    def start(*, wait_for_lead: bool = True, **overrides: Any) -> OperatorThread:
         op = OperatorThread(operator_config(**overrides), kube.configuration(), timeout=20)
-        op.start()
         started.append(op)
+        op.start(wait_for_lead=wait_for_lead)
         return op
 
     yield start
     for op in started:
-        if op.running:
-            op.stop()
+        op.stop()

@@ -13,6 +13,8 @@ pytestmark = pytest.mark.unit
 EXPECTED = {
     ("splitserve.io", "inferenceservices"): {"get", "list", "watch", "patch"},
     ("splitserve.io", "inferenceservices/status"): {"get", "patch"},
+    ("splitserve.io", "workerpools"): {"get", "list", "watch", "create", "patch"},
+    ("splitserve.io", "workerpools/status"): {"patch"},
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
     ("", "services"): {"get", "create", "patch"},
     ("", "configmaps"): {"get", "create", "patch"},
@@ -77,6 +79,18 @@ def test_the_operator_may_not_read_or_delete_secrets_or_escalate(documents: list
         rules, "rbac.authorization.k8s.io", "clusterroles", "bind", "splitserve-router"
     )
     assert not any("delete" in v or "deletecollection" in v for v in verbs(rules).values())
+
+
+def test_leader_election_may_renew_only_its_own_lease(documents: list[dict]) -> None:
+    rules = chart.rules(documents, "splitserve-leader-election", kind="Role")
+    assert verbs(rules) == {("coordination.k8s.io", "leases"): {"create", "get", "patch"}}
+    for verb in ("get", "patch"):
+        assert chart.allows(rules, "coordination.k8s.io", "leases", verb, "splitserve")
+        assert not chart.allows(rules, "coordination.k8s.io", "leases", verb, "kube-scheduler")
+    (binding,) = [d for d in documents if d["kind"] == "RoleBinding"]
+    assert binding["metadata"]["namespace"] == "splitserve-system"
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": "splitserve-leader-election"}  # fmt: skip
 
 
 def test_router_role_is_read_only_discovery(documents: list[dict]) -> None:

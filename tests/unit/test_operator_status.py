@@ -12,7 +12,6 @@ from splitserve_operator.api.status import (
     Reason,
     compute_status,
     invalid_status,
-    status_patch,
 )
 from splitserve_operator.api.values import Pool
 
@@ -157,30 +156,27 @@ def test_transition_times_move_only_when_the_status_flips() -> None:
     assert conditions(flipped)["Ready"]["lastTransitionTime"] == "2026-01-01T00:05:00Z"
 
 
-def test_invalid_spec_status_says_what_to_fix_and_keeps_other_conditions() -> None:
-    previous = {"conditions": [{"type": "ScalingActive", "status": "True"}]}
+def test_invalid_spec_status_says_what_to_fix_and_keeps_the_pools() -> None:
+    previous = {
+        "conditions": [{"type": "ScalingActive", "status": "True"}],
+        "pools": {"decode": {"replicas": 2, "readyReplicas": 2}},
+    }
     status = invalid_status(
         generation=7, problems=["spec.image: Field required"], previous=previous, now=T0
     )
     c = conditions(status)
     assert c["Degraded"]["message"] == "fix the spec: spec.image: Field required"
     assert c["Ready"]["reason"] == c["Progressing"]["reason"] == "InvalidSpec"
-    assert c["ScalingActive"] == {"type": "ScalingActive", "status": "True"}
     assert status["observedGeneration"] == 7
+    # the pools still run the last valid spec: reported as they were
+    assert status["pools"] == previous["pools"]
+    # only the reconciler's own conditions: the planner's merge in by type on the server
+    assert "ScalingActive" not in c
 
 
-def test_status_patch_is_minimal_and_keeps_the_planners_fields() -> None:
-    new = {"observedGeneration": 2, "pools": {"decode": {"replicas": 3, "readyReplicas": 1}}}
-    old = {
-        "observedGeneration": 2,
-        "pools": {"decode": {"replicas": 2, "readyReplicas": 1, "desiredReplicas": 3}},
-    }
-    assert status_patch(new, old) == {"pools": {"decode": {"replicas": 3}}}
-    assert status_patch(old | {"pools": {}}, old | {"pools": {}}) is None
-    assert status_patch(new, "garbage") == new  # type: ignore[arg-type]
-
-
-def test_conditions_of_other_writers_are_kept_once() -> None:
+def test_the_reconcilers_status_holds_its_own_conditions_only() -> None:
+    """Each writer applies its own conditions (a list-map keyed by type in the CRD): a
+    status built from a stale read cannot drop or revert another writer's."""
     previous = {
         "conditions": [
             {"type": "ScalingActive", "status": "True"},
@@ -191,4 +187,4 @@ def test_conditions_of_other_writers_are_kept_once() -> None:
         generation=1, pools=pools(), desired={}, problems=[], previous=previous, now=T0
     )
     types = [c["type"] for c in status["conditions"]]
-    assert sorted(types) == ["Degraded", "Progressing", "Ready", "ScalingActive"]
+    assert types == ["Ready", "Progressing", "Degraded"]

@@ -1,6 +1,7 @@
 """Pure rendering: an InferenceService spec in, the desired Kubernetes objects out
-(:mod:`.manifests`; names and labels in :mod:`.names`, replica counts in
-:mod:`.replicas`, the worker and router command lines in :mod:`.commands`).
+(:mod:`.manifests`; names and labels in :mod:`.names`, replica counts and who may
+write them in :mod:`.replicas`, the pools' scalable WorkerPools in :mod:`.pools`, the
+worker and router command lines in :mod:`.commands`).
 
 No kopf, no Kubernetes client, no gRPC here (``.importlinter`` enforces it), so every
 field's effect is testable with plain dicts. May import :mod:`splitserve_operator.api`

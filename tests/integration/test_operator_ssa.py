@@ -1,0 +1,65 @@
+"""Server-side apply against an emulator that does what a real API server does to what
+it stores (canonical quantities, Deployment defaults, field ownership): an unchanged
+service costs no write, drift is what field ownership says it is, and a field the spec
+stops asking for is removed."""
+
+from __future__ import annotations
+
+import pytest
+from operator_helpers import all_children, condition, converged, mark_ready, service
+from splitserve_operator.control.k8s import DEPLOYMENT
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+IDLE_PASSES = 60
+"""Full resyncs the idle service is held through (each one reconciles every object)."""
+
+GPU_POOLS = {
+    "prefill": {
+        "replicas": 1,
+        "gpus": 1,
+        "resources": {"requests": {"cpu": 4, "memory": "16Gi"}, "limits": {"memory": "1024Mi"}},
+    },
+    "decode": {"replicas": 2, "gpus": 1, "resources": {"requests": {"cpu": "0.5"}}},
+}
+
+
+def _writes_to_deployments(kube, since: int) -> list[tuple[str, str, str]]:
+    return [
+        (s.method, s.path, s.agent)
+        for s in kube.requests()[since:]
+        if s.method in ("PATCH", "PUT")
+        and "/deployments/" in s.path
+        and not s.agent.startswith("splitserve-tests")
+    ]
+
+
+def test_an_idle_gpu_service_costs_no_deployment_write(
+    kube, kube_client, start_operator, inference_service, wait_for
+) -> None:
+    """The API server hands quantities back as canonical strings (``1`` -> ``"1"``,
+    ``"0.5"`` -> ``"500m"``, ``1024Mi`` -> ``"1Gi"``) and fills in defaults: a drift check
+    that compares what it sent with what it reads back patches forever."""
+    op = start_operator(resync_seconds=0.1)
+    kube_client.create(inference_service(**GPU_POOLS))
+    wait_for(lambda: all_children(kube) and converged(kube_client), message="all children")
+    decode = kube_client.get(DEPLOYMENT, "default", "demo-decode")
+    assert decode is not None
+    resources = decode["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources["requests"] == {"cpu": "500m", "nvidia.com/gpu": "1"}  # as stored
+    mark_ready(kube_client)
+    wait_for(lambda: condition(service(kube_client), "Ready").get("status") == "True",
+             message="Ready")  # fmt: skip
+    start = len(kube.requests())
+    passes = op.operator.resync.passes
+    # Someone else labels a Deployment: a watch event the operator looks at.
+    kube_client.patch(
+        DEPLOYMENT, "default", "demo-prefill", {"metadata": {"labels": {"team": "a"}}}
+    )
+    wait_for(
+        lambda: op.operator.resync.passes >= passes + IDLE_PASSES,
+        timeout=120,
+        message=f"{IDLE_PASSES} resyncs",
+    )
+    assert _writes_to_deployments(kube, start) == []
+    assert condition(service(kube_client), "Ready")["status"] == "True"
