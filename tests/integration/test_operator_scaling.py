@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from operator_helpers import all_children, condition, converged, replicas, service
+from operator_helpers import all_children, condition, converged, mark_ready, replicas, service
 from prom_fixture import free_port
 from splitserve_operator.control.autoscaling.config import AutoscaleConfig
 from splitserve_operator.control.k8s import (
@@ -51,6 +51,7 @@ def test_a_pool_scaled_through_its_scale_subresource_stays_scaled(
     wait_for(lambda: all_children(kube) and converged(kube_client), message="all children")
     pool = _pool(kube_client)
     assert pool["spec"] == {"replicas": 1}
+    mark_ready(kube_client)  # the Deployment controller reports: the pool reports too
     assert pool["metadata"]["ownerReferences"][0]["kind"] == "InferenceService"
 
     def scale_with_selector() -> dict[str, Any] | None:

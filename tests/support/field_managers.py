@@ -145,10 +145,10 @@ def item_key(item: Any, keys: Sequence[str]) -> str:
 def tracked(obj: Mapping[str, Any], *, status_only: bool, has_status: bool) -> dict[str, Any]:
     """The part of ``obj`` managers can own: no apiVersion/kind, no server metadata;
     for a ``/status`` write only ``status``, for a main write of a kind with a status
-    subresource everything but ``status``."""
+    subresource everything but ``status``. Shares ``obj``'s values: read it, don't change it."""
     if status_only:
-        return {"status": copy.deepcopy(obj["status"])} if "status" in obj else {}
-    out = {k: copy.deepcopy(v) for k, v in obj.items() if k not in ("apiVersion", "kind")}
+        return {"status": obj["status"]} if "status" in obj else {}
+    out = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}
     if has_status:
         out.pop("status", None)
     meta = {k: v for k, v in (out.get("metadata") or {}).items() if k not in UNTRACKED_METADATA}
@@ -330,28 +330,28 @@ def write_managers(
 # -- apply and update ----------------------------------------------------------------------
 
 
-def _merge(live: Any, config: Any, path: Path, types: ListTypes) -> Any:
-    if isinstance(live, Mapping) and isinstance(config, Mapping):
-        out = copy.deepcopy(dict(live))
-        for key, value in config.items():
-            if value is None:
-                continue
-            out[key] = _merge(live.get(key), value, (*path, ("f", str(key))), types)
-        return out
-    if isinstance(live, list) and isinstance(config, list) and config:
-        keys = types.keys(path, config)
-        if keys is not None:
-            wanted = {item_key(item, keys): item for item in config}
-            out_list = []
-            for item in live:
-                key = item_key(item, keys)
-                if key in wanted:
-                    out_list.append(_merge(item, wanted.pop(key), (*path, ("k", key)), types))
-                else:
-                    out_list.append(copy.deepcopy(item))
-            out_list += [copy.deepcopy(item) for item in wanted.values()]
-            return out_list
-    return copy.deepcopy(config)
+def _merge_into(
+    live: dict[str, Any], config: Mapping[str, Any], path: Path, types: ListTypes
+) -> None:
+    """Merge ``config`` into ``live`` in place (list-maps item by item, the rest replaced)."""
+    for key, value in config.items():
+        if value is None:
+            continue
+        here = (*path, ("f", str(key)))
+        current = live.get(key)
+        if isinstance(current, dict) and isinstance(value, Mapping):
+            _merge_into(current, value, here, types)
+            continue
+        keys = types.keys(here, value) if isinstance(value, list) and value else None
+        if isinstance(current, list) and keys is not None:
+            wanted = {item_key(item, keys): item for item in value}
+            for item in current:
+                key_of = _key_or_none(item, keys)
+                if key_of in wanted and isinstance(item, dict):
+                    _merge_into(item, wanted.pop(key_of), (*here, ("k", key_of)), types)
+            current += [copy.deepcopy(item) for item in wanted.values()]
+            continue
+        live[key] = copy.deepcopy(value)
 
 
 @dataclass
@@ -386,8 +386,7 @@ def apply(
     defaults belong to no manager and never overwrite what another manager set.
     Raises :class:`ApplyConflict` (409) and :class:`InvalidApply` (422)."""
     status_only = subresource == "status"
-    sent = tracked(canonicalize(copy.deepcopy(dict(config))), status_only=status_only,
-                   has_status=has_status)  # fmt: skip
+    sent = tracked(canonicalize(dict(config)), status_only=status_only, has_status=has_status)
     applied = fieldset(sent, types)
     me: ManagerKey = (manager, APPLY, subresource)
     managers = read_managers(live) if live else {}
@@ -405,7 +404,8 @@ def apply(
         raise ApplyConflict([(key[0], path) for key, path in sorted(conflicts)])
     for key, path in conflicts:
         managers[key].discard(path)
-    merged = _merge(base, sent, (), types)
+    merged = base
+    _merge_into(merged, sent, (), types)
     previous = managers.get(me, set())
     others: set[Path] = set().union(*(s for k, s in managers.items() if k != me))
     for path in sorted(previous - applied, key=len):  # an item before its fields
@@ -415,7 +415,8 @@ def apply(
         _prune(merged, path, types, others | applied)
     managers[me] = applied
     result = default(merged)
-    _forget_vanished(result, managers, types)
+    if live:  # on a create there is nothing that could have vanished
+        _forget_vanished(result, managers, types)
     return Outcome(result, {k: v for k, v in managers.items() if v})
 
 
@@ -466,7 +467,8 @@ def record_update(
         if key != me:
             owned -= changed
     managers.setdefault(me, set()).update(changed)
-    _forget_vanished(new, managers, types)
+    if old:
+        _forget_vanished(new, managers, types)
     return {k: v for k, v in managers.items() if v}
 
 

@@ -560,7 +560,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
             self._objects[key].create(data)
         else:
             self._objects[key] = data
-        answer = copy.deepcopy(data)
+        # stored objects are replaced on a write, never changed in place: share them
+        answer = data
         events.append((key[0], {"type": "ADDED", "object": answer}))
         owners = {ref.get("uid") for ref in meta.get("ownerReferences") or []
                   if isinstance(ref, Mapping)}  # fmt: skip
@@ -596,7 +597,6 @@ class KubeEmulator(kmock.KubernetesEmulator):
         ):
             raise _conflict()
         has_status = self._has_status(request.resource)
-        config = copy.deepcopy(config)
         config.setdefault("metadata", {})["namespace"] = request.namespace
         if live is None and has_status:
             config.pop("status", None)
@@ -728,7 +728,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         meta["generation"] = current["metadata"].get("generation")
         fm.write_managers(new, managers, current, _now())
         if new == current:
-            return copy.deepcopy(dict(current))  # no-op: no new version, no watch event
+            return dict(current)  # no-op: no new version, no watch event
         if _essence(new) != _essence(current):
             meta["generation"] = int(meta.get("generation") or 0) + 1
         meta["resourceVersion"] = self._next_version()
@@ -741,9 +741,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
             self._collect_garbage(meta.get("uid"), events)
             return new
         obj.create(new)
-        answer = copy.deepcopy(new)
-        events.append((key[0], {"type": "MODIFIED", "object": answer}))
-        return answer
+        events.append((key[0], {"type": "MODIFIED", "object": new}))
+        return new
 
     def _delete(self, request: Request, events: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
         key: Any = (request.resource, request.namespace, request.name)

@@ -13,7 +13,6 @@ Test support only; the operator never imports it.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal, localcontext
 from enum import Enum
 from typing import Any
@@ -91,25 +90,22 @@ def canonical(value: object) -> str:
     return f"{mantissa}{_DECIMAL_SUFFIX[exponent]}"
 
 
-def _is_quantity_map(path: tuple[str, ...]) -> bool:
-    return len(path) >= 2 and path[-2] == "resources" and path[-1] in ("requests", "limits")
-
-
 def canonicalize_quantities(obj: Any, path: tuple[str, ...] = ()) -> Any:
     """``obj`` with every quantity of a built-in kind in canonical form: container
     ``resources.requests``/``limits``, ``emptyDir.sizeLimit``, a claim's
-    ``resources.requests``. Raises :class:`QuantityError` for a value that is not one."""
-    if isinstance(obj, Mapping):
-        if _is_quantity_map(path):
-            return {key: canonical(value) for key, value in obj.items()}
-        return {
-            key: (
-                canonical(value)
-                if key == "sizeLimit" and value is not None
-                else canonicalize_quantities(value, (*path, str(key)))
-            )
-            for key, value in obj.items()
-        }
-    if isinstance(obj, list):
-        return [canonicalize_quantities(item, path) for item in obj]
+    ``resources.requests``. Rewrites ``obj`` in place (and returns it); raises
+    :class:`QuantityError` for a value that is not one."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if key == "sizeLimit" and value is not None:
+                obj[key] = canonical(value)
+            elif key in ("requests", "limits") and path and path[-1] == "resources":
+                if isinstance(value, dict):
+                    obj[key] = {k: canonical(v) for k, v in value.items()}
+            elif isinstance(value, dict | list):
+                canonicalize_quantities(value, (*path, str(key)))
+    elif isinstance(obj, list):
+        for item in obj:
+            if isinstance(item, dict | list):
+                canonicalize_quantities(item, path)
     return obj

@@ -180,7 +180,11 @@ class Controller:
         key, owner, _pool = found
         owner_uid = str(as_map(owner.get("metadata")).get("uid"))
         meta, status = as_map(worker_pool.get("metadata")), as_map(worker_pool.get("status"))
-        if event_type == "DELETED" or status.get("observedGeneration") != meta.get("generation"):
+        if event_type == "DELETED":
+            return key, owner_uid
+        if meta.get("generation") == 1 and "observedGeneration" not in status:
+            return None  # just made: the reconcile that made it reports on it
+        if status.get("observedGeneration") != meta.get("generation"):
             return key, owner_uid
         return None
 

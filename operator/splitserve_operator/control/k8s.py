@@ -15,11 +15,13 @@ part of :class:`KubeClient` they use (unit tests hand them fakes).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime as dt
 import json
 import logging
 import secrets
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -230,6 +232,9 @@ class KubeClient:
         self.api.user_agent = user_agent
         self.timeout = timeout
         self.component = component
+        self.calls: collections.Counter[str] = collections.Counter()
+        """Requests sent, by HTTP method (what a reconcile costs the API server)."""
+        self._calls_lock = threading.Lock()
 
     def close(self) -> None:
         self.api.close()
@@ -255,6 +260,8 @@ class KubeClient:
         query: list[tuple[str, str]] | None = None,
     ) -> tuple[dict[str, Any], int]:
         """The answer's body and HTTP status."""
+        with self._calls_lock:
+            self.calls[method] += 1
         headers = {"Accept": "application/json", "Content-Type": content_type}
         try:
             _method, url, headers, body, _post = self.api.param_serialize(

@@ -330,8 +330,9 @@ class Reconciler:
         worker_pool: Mapping[str, Any] | None,
         deployment: Mapping[str, Any] | None,
     ) -> None:
-        """Report the Deployment's pods on the WorkerPool (what its scale subresource reads)."""
-        if worker_pool is None or deployment is None:
+        """Report the Deployment's pods on the WorkerPool (what its scale subresource reads),
+        once the Deployment controller has reported on them."""
+        if worker_pool is None or deployment is None or "status" not in deployment:
             return
         if controller_uid(worker_pool) != ref.uid:
             return
