@@ -9,6 +9,7 @@ from typing import Any
 
 import helm_chart as chart
 import pytest
+from operator_helpers import mark_ready
 from splitserve_operator.control.config import LeaseConfig
 from splitserve_operator.control.k8s import INFERENCE_SERVICE
 
@@ -160,6 +161,7 @@ def test_the_charts_rbac_covers_every_call_the_operator_makes(
     op = start_operator(resync_seconds=0.3, leader_election=lease)
     kube_client.create(inference_service())
     wait_for(lambda: len(kube.objects("apps/v1/deployments", "default")) == 3)
+    mark_ready(kube_client)  # the pools report their pods: a WorkerPool status write
     kube_client.patch(INFERENCE_SERVICE, "default", "demo", {"spec": {"decode": {"replicas": 2}}})
 
     def decode_replicas() -> object:

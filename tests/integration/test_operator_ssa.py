@@ -63,3 +63,49 @@ def test_an_idle_gpu_service_costs_no_deployment_write(
     )
     assert _writes_to_deployments(kube, start) == []
     assert condition(service(kube_client), "Ready")["status"] == "True"
+
+
+def test_objects_a_merging_version_made_are_taken_over_and_pruned(
+    kube, kube_client, start_operator, inference_service, wait_for
+) -> None:
+    """An operator version before server-side apply created children with POST and merge
+    patches (its fields recorded as an Update of "splitserve-operator") and kept their
+    manifest in an annotation. The upgrade makes those fields the operator's applied
+    ones: the annotation goes, and so does a field the spec no longer asks for."""
+    import json
+
+    from render_helpers import inputs
+    from splitserve_operator.api.parse import parse_spec
+    from splitserve_operator.control.k8s import INFERENCE_SERVICE, KubeClient
+    from splitserve_operator.render.manifests import render
+    from splitserve_operator.render.names import ServiceRef
+
+    made = kube_client.create(inference_service(decode={"replicas": 1, "gpus": 0}))
+    ref = ServiceRef("demo", "default", made["metadata"]["uid"])
+    old_spec = parse_spec({**made["spec"], "decode": {"gpus": 0, "nodeSelector": {"old": "1"}}})
+    old = KubeClient(kube.configuration(), user_agent="splitserve-operator/0.0.9")
+    deployment = next(d for d in render(ref, old_spec, inputs(old_spec)) if d.name == "demo-decode"
+                      and d.kind == "Deployment").manifest  # fmt: skip
+    annotations = deployment["metadata"].setdefault("annotations", {})
+    annotations["splitserve.io/last-applied"] = json.dumps(deployment)
+    old.create(deployment)
+    old.close()
+    # the old version had reconciled it: a status with observedGeneration
+    kube_client.patch_status("default", "demo", {"observedGeneration": 1})
+
+    start_operator()
+
+    def upgraded() -> bool:
+        d = kube_client.get(DEPLOYMENT, "default", "demo-decode") or {}
+        meta = d.get("metadata") or {}
+        return "splitserve.io/last-applied" not in (meta.get("annotations") or {}) and (
+            "nodeSelector" not in d["spec"]["template"]["spec"]
+        )
+
+    wait_for(upgraded, message="the annotation and the dropped nodeSelector gone")
+    d = kube_client.get(DEPLOYMENT, "default", "demo-decode")
+    assert d is not None
+    entries = {(e["manager"], e["operation"]) for e in d["metadata"]["managedFields"]}
+    assert ("splitserve-operator", "Apply") in entries
+    assert ("splitserve-operator", "Update") not in entries
+    assert kube_client.get(INFERENCE_SERVICE, "default", "demo") is not None

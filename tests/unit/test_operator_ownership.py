@@ -140,3 +140,22 @@ def test_status_ownership_is_per_subresource() -> None:
     flipped = copy.deepcopy(mine)
     flipped["status"]["conditions"][0]["status"] = "False"
     assert needs_apply(flipped, live, ME, "status")
+
+
+def test_only_an_object_a_merging_version_made_is_upgraded() -> None:
+    from splitserve_operator.control.ownership import upgrade_patch
+
+    live = _server(None, _manifest())
+    assert upgrade_patch(live, ME) is None  # applied already: nothing to upgrade
+    legacy = _manifest()
+    legacy["metadata"]["annotations"] = {"splitserve.io/last-applied": "{}"}
+    merged = copy.deepcopy(legacy)
+    managers = fm.record_update(None, merged, manager=ME, types=TYPES, has_status=True)
+    fm.write_managers(merged, managers, None, "t")
+    merged["metadata"]["resourceVersion"] = "7"
+    ops = upgrade_patch(merged, ME)
+    assert ops is not None and ops[0] == {"op": "test", "path": "/metadata/resourceVersion",
+                                          "value": "7"}  # fmt: skip
+    (entry,) = ops[1]["value"]
+    assert (entry["manager"], entry["operation"]) == (ME, "Apply")
+    assert upgrade_patch(merged, "someone-else") is None

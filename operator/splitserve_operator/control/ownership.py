@@ -23,6 +23,10 @@ from splitserve_operator.api.fields import as_map
 from splitserve_operator.api.values import quantity_value
 
 APPLY = "Apply"
+UPDATE = "Update"
+
+LEGACY_ANNOTATION = "splitserve.io/last-applied"
+"""Where operator versions before server-side apply kept the manifest they last merged."""
 
 IDENTITY_FIELDS = ("apiVersion", "kind")
 IDENTITY_METADATA = ("name", "namespace")
@@ -175,3 +179,32 @@ def needs_apply(
     want = _comparable(manifest, status_only=subresource == "status")
     have = _comparable(mine, status_only=subresource == "status")
     return not _same(want, have, ())
+
+
+def upgrade_patch(live: Mapping[str, Any], manager: str) -> list[dict[str, Any]] | None:
+    """For an object an older operator version wrote with merge patches (its fields
+    recorded under ``manager`` as an Update, its manifest in :data:`LEGACY_ANNOTATION`): a
+    JSON patch that makes those fields ``manager``'s applied ones, as kubectl's
+    ``csaupgrade`` does. The next apply then removes what the spec no longer asks for,
+    the annotation included. None when there is nothing to upgrade."""
+    meta = as_map(live.get("metadata"))
+    if LEGACY_ANNOTATION not in as_map(meta.get("annotations")):
+        return None
+    entries = [dict(as_map(e)) for e in meta.get("managedFields") or []]
+    legacy = [
+        e
+        for e in entries
+        if e.get("manager") == manager and e.get("operation") == UPDATE and not e.get("subresource")
+    ]
+    if not legacy:
+        return None
+    applied = [e for e in entries if e.get("manager") == manager and e.get("operation") == APPLY
+               and not e.get("subresource")]  # fmt: skip
+    merged = dict(applied[0] if applied else legacy[0])
+    merged["operation"] = APPLY
+    merged["fieldsV1"] = _merge_trees([as_map(e.get("fieldsV1")) for e in legacy + applied])
+    kept = [e for e in entries if e not in legacy and e not in applied]
+    return [
+        {"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")},
+        {"op": "replace", "path": "/metadata/managedFields", "value": [*kept, merged]},
+    ]

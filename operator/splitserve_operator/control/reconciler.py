@@ -44,6 +44,7 @@ from splitserve_operator.control.bodies import controller_uid, degraded_conditio
 from splitserve_operator.control.k8s import (
     DEPLOYMENT,
     FIELD_MANAGER,
+    JSON_PATCH,
     WORKER_POOL,
     AlreadyExists,
     ApiError,
@@ -54,7 +55,7 @@ from splitserve_operator.control.k8s import (
     kind_of,
 )
 from splitserve_operator.control.outcome import Action, NameConflict, Outcome, RetryLater
-from splitserve_operator.control.ownership import needs_apply, owners
+from splitserve_operator.control.ownership import needs_apply, owners, upgrade_patch
 from splitserve_operator.render.manifests import Desired, RenderInputs, render
 from splitserve_operator.render.names import (
     ANNOTATION_REQUESTED_REPLICAS,
@@ -301,6 +302,11 @@ class Reconciler:
                         f"{desired.kind}/{desired.name} vanished while applying"
                     ) from None
         self._check_ownership(desired, ref, actual)
+        upgrade = upgrade_patch(actual, self.field_manager)
+        if upgrade is not None:  # made by a version that merged: apply from here on
+            actual = self.cluster.patch(
+                kind, desired.namespace, desired.name, upgrade, content_type=JSON_PATCH
+            )
         if not needs_apply(desired.manifest, actual, self.field_manager):
             return Action.UNCHANGED, actual
         applied = self.cluster.apply(desired.manifest, field_manager=self.field_manager, force=True)
