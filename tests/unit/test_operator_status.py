@@ -78,7 +78,7 @@ def test_not_ready_while_a_pool_is_short() -> None:
     c = conditions(status)
     assert c["Ready"]["status"] == "False" and "decode: 1/2 ready" in c["Ready"]["message"]
     assert c["Progressing"]["status"] == "True"
-    assert "desiredReplicas" not in status["pools"]["decode"]  # the planner's, untouched
+    assert "desiredReplicas" not in status["pools"]["decode"]  # no target given: none written
 
 
 def test_a_missing_deployment_is_not_ready() -> None:
