@@ -1,13 +1,18 @@
-"""How fast the operator turns new InferenceServices into Deployments.
+"""How fast the operator turns new InferenceServices into Deployments, and what a
+reconcile of an unchanged one costs the API server.
 
 Starts the Kubernetes API emulator (kmock, in its own process so that it has a
 core of its own, as an API server would), runs the operator in this process,
 creates N InferenceServices as fast as the client can, and measures the time
-from the first create until every one of them has its three Deployments.
+from the first create until every one of them has its three Deployments. Then it
+marks the pools of a sample of them ready (as the Deployment controller would), waits
+for them to report Ready, and counts the API requests of one more reconcile of each
+(an unchanged object: the resync's case, and every Deployment event's).
 
-    python bench/operator.py [--count 200] [--workers 16]
+    python bench/operator.py [--count 200] [--workers 16] [--sample 20]
 
-Ends with ``RESULT ms_per_cr=<x>`` (target: <= 50).
+Ends with ``RESULT ms_per_cr=<x> reads_per_idle_reconcile=<r>
+writes_per_idle_reconcile=<w>`` (targets: <= 50 ms, 0 writes).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from pathlib import Path
 
 import kubernetes.client
 from splitserve_operator.control.config import OperatorConfig
-from splitserve_operator.control.k8s import DEPLOYMENT, KubeClient
+from splitserve_operator.control.k8s import DEPLOYMENT, INFERENCE_SERVICE, KubeClient
 
 # The API emulator and the operator thread are test support, not part of the package.
 SUPPORT = Path(__file__).resolve().parents[1] / "tests" / "support"
@@ -115,7 +120,52 @@ def manifest(i: int) -> dict[str, object]:
     }
 
 
-def run(count: int, workers: int, in_process: bool) -> float:
+WRITES = ("POST", "PATCH", "PUT", "DELETE")
+
+
+def _mark_ready(client: KubeClient, namespace: str, name: str) -> None:
+    for pool in ("prefill", "decode", "router"):
+        d = client.get(DEPLOYMENT, namespace, f"{name}-{pool}")
+        assert d is not None
+        n = d["spec"].get("replicas", 1)
+        status = {"observedGeneration": d["metadata"]["generation"], "replicas": n,
+                  "readyReplicas": n, "updatedReplicas": n, "availableReplicas": n}  # fmt: skip
+        client.patch(DEPLOYMENT, namespace, f"{name}-{pool}", {"status": status},
+                     subresource="status")  # fmt: skip
+
+
+def _ready(client: KubeClient, namespace: str, name: str) -> bool:
+    body = client.get(INFERENCE_SERVICE, namespace, name) or {}
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (body.get("status") or {}).get("conditions") or []
+    )
+
+
+def idle_reconcile_cost(op: OperatorThread, client: KubeClient, sample: int) -> tuple[float, float]:
+    """Mean (reads, writes) of one reconcile of each of ``sample`` unchanged, ready services."""
+    keys = [(f"ns-{i % 10}", f"bench-{i:04d}") for i in range(sample)]
+    for namespace, name in keys:
+        _mark_ready(client, namespace, name)
+    deadline = time.monotonic() + 60
+    while not all(_ready(client, *key) for key in keys):
+        if time.monotonic() > deadline:
+            raise SystemExit("the sampled services did not report Ready within 60 s")
+        time.sleep(0.2)
+    reads = writes = 0
+    operator_client = op.operator.client
+    for namespace, name in keys:
+        body = client.get(INFERENCE_SERVICE, namespace, name)
+        assert body is not None
+        before = dict(operator_client.calls)
+        op.controller.reconcile(body)
+        after = operator_client.calls
+        reads += after["GET"] - before.get("GET", 0)
+        writes += sum(after[m] - before.get(m, 0) for m in WRITES)
+    return reads / sample, writes / sample
+
+
+def run(count: int, workers: int, in_process: bool, sample: int) -> tuple[float, float, float]:
     proc = None
     emulator = None
     if in_process:
@@ -128,7 +178,7 @@ def run(count: int, workers: int, in_process: bool) -> float:
         configuration.connection_pool_maxsize = 32
         client = KubeClient(configuration)
         config = OperatorConfig(workers=workers, resync_seconds=0, watch_timeout=None)
-        with OperatorThread(config, kubernetes.client.Configuration(host=url)):
+        with OperatorThread(config, kubernetes.client.Configuration(host=url)) as op:
             watcher = DeploymentCounter(client, 3 * count)
             start = time.perf_counter()
             with ThreadPoolExecutor(4) as pool:
@@ -139,6 +189,7 @@ def run(count: int, workers: int, in_process: bool) -> float:
             done = watcher.finished_at
             # read here, printed after: kopf's runner holds stdout while it runs
             cpu = (_cpu_seconds(proc.pid), time.process_time()) if proc is not None else None
+            reads, writes = idle_reconcile_cost(op, client, min(sample, count))
         client.close()
         if cpu is not None:
             print(f"CPU seconds: emulator {cpu[0]:.1f}, operator and client {cpu[1]:.1f}")
@@ -152,7 +203,11 @@ def run(count: int, workers: int, in_process: bool) -> float:
         f"created {count} InferenceServices in {created - start:.2f} s; "
         f"all {3 * count} Deployments after {done - start:.2f} s"
     )
-    return (done - start) * 1000 / count
+    print(
+        f"one reconcile of an unchanged, ready InferenceService ({min(sample, count)} sampled): "
+        f"{reads:.1f} reads, {writes:.1f} writes"
+    )
+    return (done - start) * 1000 / count, reads, writes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,10 +217,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--in-process", action="store_true", help="serve the emulator from a thread of this process"
     )
+    parser.add_argument(
+        "--sample", type=int, default=20, help="services whose idle reconcile is counted"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    ms = run(args.count, args.workers, args.in_process)
-    print(f"RESULT ms_per_cr={ms:.1f}")
+    ms, reads, writes = run(args.count, args.workers, args.in_process, args.sample)
+    print(
+        f"RESULT ms_per_cr={ms:.1f} reads_per_idle_reconcile={reads:.1f} "
+        f"writes_per_idle_reconcile={writes:.1f}"
+    )
     return 0
 
 

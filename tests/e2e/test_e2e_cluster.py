@@ -1,28 +1,19 @@
-"""On a real cluster (runs only when KUBECONFIG is set; skipped otherwise):
-helm install the chart, apply the CPU example in a namespace that enforces the
-"restricted" Pod Security Standard, wait for the Deployments, delete, uninstall.
-
-Images: ``SPLITSERVE_OPERATOR_IMAGE`` and ``SPLITSERVE_WORKER_IMAGE`` (repository:tag,
-default ``splitserve/operator:0.1.0`` and ``splitserve/worker:0.1.0``) must be pullable
-by the cluster (``kind load docker-image ...`` for kind). ``SPLITSERVE_E2E_READY=1`` also
-waits for the model to be Ready (pulls weights: slow).
-"""
+"""On a real cluster (runs only when KUBECONFIG is set; skipped otherwise): the chart
+installed (tests/e2e/conftest.py), the CPU example applied in a namespace that enforces
+the "restricted" Pod Security Standard, the Deployments waited for, drift repaired,
+deleted. ``SPLITSERVE_E2E_READY=1`` also waits for the model to be Ready (pulls weights:
+slow)."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import helm_chart as chart
 import pytest
 import yaml
+from cluster_kit import get as _get
+from cluster_kit import kubectl, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -33,88 +24,6 @@ if not os.environ.get("KUBECONFIG"):
     pytest.skip(
         "e2e tests need a real cluster: set KUBECONFIG to run them", allow_module_level=True
     )
-
-
-def _kubectl_binary() -> str:
-    local = ROOT / ".venv" / "bin" / "kubectl"
-    found = str(local) if local.exists() else shutil.which("kubectl")
-    if not found:
-        pytest.fail("kubectl is not installed (bash .ci/install-tools.sh .venv)")
-    return found
-
-
-def kubectl(
-    *args: str, check: bool = True, input_: str | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [_kubectl_binary(), *args],
-        capture_output=True,
-        text=True,
-        check=check,
-        timeout=300,
-        input=input_,
-    )
-
-
-def wait_until(what: str, timeout: float, fn: Any) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(2)
-
-
-def _split(image: str) -> tuple[str, str]:
-    repo, _, tag = image.rpartition(":")
-    return (repo, tag) if repo and "/" not in tag else (image, "latest")
-
-
-@pytest.fixture(scope="module")
-def installed() -> Iterator[dict[str, str]]:
-    if chart.find_helm() is None:
-        pytest.fail("helm is not installed (bash .ci/install-tools.sh .venv)")
-    suffix = uuid.uuid4().hex[:6]
-    release, system_ns, app_ns = f"sse2e-{suffix}", f"splitserve-e2e-{suffix}", f"e2e-{suffix}"
-    repo, tag = _split(os.environ.get("SPLITSERVE_OPERATOR_IMAGE", "splitserve/operator:0.1.0"))
-    chart.helm(
-        "install",
-        release,
-        str(chart.CHART),
-        "--namespace",
-        system_ns,
-        "--create-namespace",
-        "--set",
-        f"image.repository={repo}",
-        "--set",
-        f"image.tag={tag}",
-        "--set",
-        "operator.resyncSeconds=30",
-        "--wait",
-        "--timeout",
-        "5m",
-    )
-    kubectl("create", "namespace", app_ns)
-    kubectl(
-        "label",
-        "namespace",
-        app_ns,
-        "pod-security.kubernetes.io/enforce=restricted",
-        "pod-security.kubernetes.io/enforce-version=latest",
-    )
-    try:
-        yield {"release": release, "system": system_ns, "app": app_ns}
-    finally:
-        kubectl("delete", "namespace", app_ns, "--wait=false", check=False)
-        chart.helm("uninstall", release, "--namespace", system_ns, check=False)
-        kubectl("delete", "namespace", system_ns, "--wait=false", check=False)
-
-
-def _get(kind: str, name: str, ns: str) -> dict[str, Any] | None:
-    out = kubectl("get", kind, name, "-n", ns, "-o", "json", check=False)
-    return json.loads(out.stdout) if out.returncode == 0 else None
 
 
 def test_crd_is_installed(installed: dict[str, str]) -> None:
@@ -141,11 +50,12 @@ def test_example_comes_up_under_the_restricted_profile_and_goes_away(
     name = doc["metadata"]["name"]
     kubectl("apply", "-n", ns, "-f", "-", input_=yaml.safe_dump(doc))
     for pool in ("prefill", "decode", "router"):
-        wait_until(
-            f"Deployment {name}-{pool}",
-            120,
-            lambda pool=pool: _get("deployment", f"{name}-{pool}", ns),
-        )
+        deployment = f"{name}-{pool}"
+
+        def exists(d: str = deployment) -> dict[str, object] | None:
+            return _get("deployment", d, ns)
+
+        wait_until(f"Deployment {deployment}", 120, exists)
     status = wait_until(
         "observedGeneration",
         120,

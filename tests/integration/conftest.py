@@ -12,9 +12,10 @@ Reuse them from any integration test (the planner's too):
   ``$KUBECONFIG``.
 - ``start_operator``: starts the real kopf operator in a thread against the emulator,
   cluster-wide, with test-friendly settings; stopped at teardown. Call it again
-  after stopping one to restart. ``clock=`` / ``wall_clock=`` hand the autoscaling
-  loop a test's clock (see ``manual_clock.ManualClock``), so a test decides when a
-  tick is due.
+  after stopping one to restart, or beside a running one (with ``leader_election``) for a
+  standby (``wait_for_lead=False`` returns before it leads). ``clock=`` /
+  ``wall_clock=`` hand the autoscaling loop a test's clock (see
+  ``manual_clock.ManualClock``), so a test decides when a tick is due.
 - ``wait_for(predicate, timeout)``: poll until ``predicate()`` is truthy and return it.
 - ``inference_service(name, namespace, **spec)``: a manifest with a valid minimal spec.
 """
@@ -110,6 +111,7 @@ def start_operator(kube: EmulatorThread) -> Iterator[Callable[..., OperatorThrea
 
     def start(
         *,
+        wait_for_lead: bool = True,
         clock: Callable[[], float] | None = None,
         wall_clock: Callable[[], dt.datetime] | None = None,
         **overrides: Any,
@@ -121,11 +123,10 @@ def start_operator(kube: EmulatorThread) -> Iterator[Callable[..., OperatorThrea
             clock=clock,
             wall_clock=wall_clock,
         )
-        op.start()
         started.append(op)
+        op.start(wait_for_lead=wait_for_lead)
         return op
 
     yield start
     for op in started:
-        if op.running:
-            op.stop()
+        op.stop()

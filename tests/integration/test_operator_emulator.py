@@ -263,3 +263,143 @@ def test_emulator_declares_resources_with_verbs() -> None:
     emulator = KubeEmulator()
     info = emulator.resources["apps/v1/deployments"]
     assert {"list", "watch", "patch"} <= info.verbs and "status" in info.subresources
+
+
+# -- what a real API server does to what it stores -------------------------------------
+
+
+def _deployment(name: str = "d", **labels: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": "ns", "labels": labels},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "c",
+                            "image": "img:1",
+                            "resources": {"limits": {"nvidia.com/gpu": 1, "memory": "1024Mi"}},
+                        }
+                    ]
+                },
+            },
+        },
+    }
+
+
+def test_quantities_and_defaults_come_back_as_a_server_stores_them(kube_client) -> None:
+    made = kube_client.create(_deployment())
+    spec = made["spec"]
+    assert spec["template"]["spec"]["containers"][0]["resources"]["limits"] == {
+        "nvidia.com/gpu": "1",
+        "memory": "1Gi",
+    }
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"},
+    }
+    assert (spec["progressDeadlineSeconds"], spec["revisionHistoryLimit"]) == (600, 10)
+    (entry,) = made["metadata"]["managedFields"]
+    assert (entry["manager"], entry["operation"]) == ("splitserve-tests", "Update")
+    with pytest.raises(Invalid):
+        bad = _deployment("bad")
+        bad["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] = "lots"
+        kube_client.create(bad)
+
+
+def test_apply_creates_changes_nothing_twice_and_conflicts_with_another_owner(
+    kube, kube_client
+) -> None:
+    first = kube_client.apply(_deployment(), field_manager="op", force=False)
+    assert first.created
+    again = kube_client.apply(_deployment(), field_manager="op", force=False)
+    assert not again.created
+    assert again.obj["metadata"]["resourceVersion"] == first.obj["metadata"]["resourceVersion"]
+    kube_client.request(
+        "PATCH",
+        DEPLOYMENT.path("ns", "d", "scale"),
+        body={"spec": {"replicas": 4}},
+        content_type="application/merge-patch+json",
+    )
+    with pytest.raises(ApiError) as exc:
+        kube_client.apply(_deployment(), field_manager="op", force=False)
+    assert exc.value.status == 409 and ".spec.replicas" in exc.value.message
+    forced = kube_client.apply(_deployment(), field_manager="op", force=True)
+    assert forced.obj["spec"]["replicas"] == 1
+    with pytest.raises(Invalid, match="fieldManager"):
+        kube_client.request(
+            "PATCH",
+            DEPLOYMENT.path("ns", "d"),
+            body=_deployment(),
+            content_type="application/apply-patch+yaml",
+        )
+
+
+def test_a_no_op_apply_changes_no_version(kube_client) -> None:
+    def version() -> str:  # a list carries the store's latest resourceVersion
+        listed = kube_client.request("GET", DEPLOYMENT.path("ns"))
+        return str(listed["metadata"]["resourceVersion"])
+
+    kube_client.apply(_deployment(), field_manager="op")
+    before = version()
+    kube_client.apply(_deployment(), field_manager="op")
+    kube_client.patch(DEPLOYMENT, "ns", "d", {"spec": {"replicas": 1}})
+    assert version() == before
+
+
+def test_the_scale_subresource_reads_and_writes_replicas(kube_client) -> None:
+    kube_client.create(_deployment())
+    scale = kube_client.request("GET", DEPLOYMENT.path("ns", "d", "scale"))
+    assert scale["kind"] == "Scale" and scale["spec"] == {"replicas": 1}
+    assert scale["status"]["selector"] == "app=d"
+    scale["spec"]["replicas"] = 3
+    put = kube_client.request("PUT", DEPLOYMENT.path("ns", "d", "scale"), body=scale)
+    assert put["spec"]["replicas"] == 3
+    assert kube_client.get(DEPLOYMENT, "ns", "d")["spec"]["replicas"] == 3
+    with pytest.raises(ApiError) as stale:
+        kube_client.request("PUT", DEPLOYMENT.path("ns", "d", "scale"), body=scale)
+    assert stale.value.status == 409  # the old resourceVersion
+
+
+def test_lists_and_watches_filter_by_label_selector(kube, kube_client) -> None:
+    kube_client.create(_deployment("ours", owner="us"))
+    kube_client.create(_deployment("theirs"))
+    listed = kube_client.list(DEPLOYMENT, "ns", label_selector="owner=us")
+    assert [d["metadata"]["name"] for d in listed] == ["ours"]
+    events: list[str] = []
+    done = threading.Event()
+    http = urllib3.PoolManager()
+    response = http.request(
+        "GET",
+        kube.url + DEPLOYMENT.path() + "?watch=true&labelSelector=owner%3Dus",
+        preload_content=False,
+    )
+
+    def read() -> None:
+        buffer = b""
+        for chunk in response.stream(1024):
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in filter(None, lines):
+                events.append(json.loads(line)["object"]["metadata"]["name"])
+                if len(events) >= 2:
+                    done.set()
+                    return
+
+    threading.Thread(target=read, daemon=True).start()
+    kube_client.patch(DEPLOYMENT, "ns", "theirs", {"metadata": {"labels": {"x": "1"}}})
+    kube_client.patch(DEPLOYMENT, "ns", "ours", {"metadata": {"labels": {"x": "1"}}})
+    assert done.wait(5), events
+    assert events == ["ours", "ours"]  # ADDED, then MODIFIED; theirs never
+    response.release_conn()
+
+
+def test_custom_resources_come_from_their_crds(kube_client) -> None:
+    group = kube_client.request("GET", "/apis/splitserve.io/v1alpha1")
+    names = {r["name"] for r in group["resources"]}
+    assert {"workerpools", "workerpools/status", "workerpools/scale"} <= names

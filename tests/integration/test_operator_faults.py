@@ -9,6 +9,8 @@ from typing import Any
 
 import helm_chart as chart
 import pytest
+from operator_helpers import mark_ready
+from splitserve_operator.control.config import LeaseConfig
 from splitserve_operator.control.k8s import INFERENCE_SERVICE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -162,24 +164,29 @@ def test_the_charts_rbac_covers_every_call_the_operator_makes(
         if os.environ.get("CI"):
             pytest.fail("helm is missing in CI: run bash .ci/install-tools.sh .venv")
         pytest.skip("helm is not installed (bash .ci/install-tools.sh .venv)")
-    op = start_operator(resync_seconds=0.3)
+    lease = LeaseConfig(namespace="splitserve-system", name="splitserve", identity="replay",
+                        duration_s=3, renew_deadline_s=2, retry_period_s=0.2)  # fmt: skip
+    op = start_operator(resync_seconds=0.3, leader_election=lease)
     route = {"parentRefs": [{"name": "public"}]}
     kube_client.create(inference_service(router={"httpRoute": route}))
     wait_for(lambda: len(kube.objects("apps/v1/deployments", "default")) == 3)
     wait_for(lambda: kube.objects("gateway.networking.k8s.io/v1/httproutes", "default"))
+    mark_ready(kube_client)  # the pools report their pods: a WorkerPool status write
     from splitserve_operator.control.k8s import KINDS
 
     children = [
         obj
         for kind in KINDS.values()
-        if kind.kind not in ("InferenceService", "Event")
+        if kind.kind not in ("InferenceService", "Event", "Lease")
         for obj in kube.objects(f"{kind.api_version}/{kind.plural}", "default")
     ]
-    assert len(children) >= 13, "every child the operator made (the Secret included)"
-    owner_calls = set(
-        chart.owner_reference_calls(children, {"InferenceService": "inferenceservices"})
-    )
-    assert owner_calls == {("splitserve.io", "inferenceservices/finalizers", "update")}
+    assert len(children) >= 15, "every child the operator made (the Secret, the pools included)"
+    owner_calls = {
+        (*call, "default", None)
+        for call in chart.owner_reference_calls(children, {"InferenceService": "inferenceservices"})
+    }
+    finalizers = ("splitserve.io", "inferenceservices/finalizers", "update", "default", None)
+    assert owner_calls == {finalizers}
     kube_client.patch(INFERENCE_SERVICE, "default", "demo", {"spec": {"decode": {"replicas": 2}}})
 
     def decode_replicas() -> object:
@@ -196,8 +203,13 @@ def test_the_charts_rbac_covers_every_call_the_operator_makes(
     bad["spec"]["image"] = ""
     kube_client.create(bad)
     wait_for(lambda: (kube_client.get(INFERENCE_SERVICE, "default", "bad") or {}).get("status"))
+    # scaled through the WorkerPool, as kubectl scale or an HPA would
+    pool = "/apis/splitserve.io/v1alpha1/namespaces/default/workerpools/demo-decode/scale"
+    kube_client.request("PATCH", pool, body={"spec": {"replicas": 3}},
+                        content_type="application/merge-patch+json")  # fmt: skip
+    wait_for(lambda: decode_replicas() == 3, message="decode scaled to 3 through its pool")
     op.stop()
-    start_operator()
+    start_operator(leader_election=lease)
     kube_client.delete(INFERENCE_SERVICE, "default", "demo")
     wait_for(lambda: not kube.objects("apps/v1/deployments", "default"))
 
@@ -207,11 +219,25 @@ def test_the_charts_rbac_covers_every_call_the_operator_makes(
         if s.agent.startswith(("splitserve-operator/", "kopf/"))
     ]
     calls = set(chart.api_calls(operator_calls)) | owner_calls
-    assert ("gateway.networking.k8s.io", "httproutes", "create") in calls
-    operator_rules = chart.rules(chart.template(), "splitserve")
-    missing = [c for c in sorted(calls) if not chart.allows(operator_rules, *c)]
+    assert ("gateway.networking.k8s.io", "httproutes", "patch") in {c[:3] for c in calls}
+    documents = chart.template()
+    operator_rules = chart.rules(documents, "splitserve")
+    lease_rules = chart.rules(documents, "splitserve-leader-election", kind="Role")
+
+    def allowed(
+        group: str, resource: str, verb: str, namespace: str | None, name: str | None
+    ) -> bool:
+        if chart.allows(operator_rules, group, resource, verb):
+            return True
+        # the Role is bound in the release namespace only
+        return namespace == "splitserve-system" and chart.allows(lease_rules, group, resource,
+                                                                 verb, name)  # fmt: skip
+
+    missing = [c for c in sorted(calls, key=str) if not allowed(*c)]
     assert calls, "no API calls recorded"
-    assert not missing, f"the ClusterRole lacks: {missing}"
+    assert not missing, f"the chart's RBAC lacks: {missing}"
+    assert any(c[:3] == ("coordination.k8s.io", "leases", "patch") for c in calls)
+    assert any(c[:3] == ("splitserve.io", "workerpools/status", "patch") for c in calls)
     assert chart.allows(
         operator_rules, "rbac.authorization.k8s.io", "clusterroles", "bind", "splitserve-router"
     )

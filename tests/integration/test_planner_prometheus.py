@@ -5,7 +5,7 @@ breaks the SLO and back down when the load stops, from what Prometheus shows (th
 test injects no metric). Then every dashboard query runs against that Prometheus.
 
 The planner's clock is the test's (:class:`ManualClock`): each tick runs in the
-operator's own timer, but only when the test moves the clock, after the Deployments
+operator's own autoscaling loop, but only when the test moves the clock, after the Deployments
 followed the last decision and Prometheus scraped again, so no outcome depends on
 how many ticks a stretch of wall-clock time holds. Waits are for conditions (a fresh
 scrape, a full PromQL window of the current load, a tick's status), never fixed sleeps.
@@ -49,7 +49,7 @@ LIGHT, HEAVY = 1, 16
 WINDOW_S = 10.0
 """Seconds the PromQL windows look back (the TPOT query here and the planner's)."""
 INTERVAL_S = 5
-"""The service's ``autoscaling.intervalSeconds``: one tick per this many clock seconds."""
+"""The service's ``autoscaling.interval``: one tick per this many clock seconds."""
 CALIBRATION_TRIES = 3
 LIGHT_TICKS = 4
 """Ticks under light load, each on a fresh scrape, with no scale-up unless TPOT broke."""
@@ -232,9 +232,9 @@ class Decision:
 
 
 class Ticks:
-    """The planner's ticks, one at a time, through the operator's own kopf timer.
+    """The planner's ticks, one at a time, through the operator's own autoscaling loop.
 
-    The planner's clock is a :class:`ManualClock`: the timer wakes every half second but
+    The planner's clock is a :class:`ManualClock`: the loop wakes every half second but
     finds a tick due only after :meth:`next` moved the clock by the interval, and the
     status that tick wrote carries the clock's stamp. Before each tick the Deployments
     have followed the last decision and Prometheus has scraped every target again, so

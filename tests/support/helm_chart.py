@@ -60,12 +60,14 @@ def template(
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
-def rules(documents: Sequence[Mapping[str, Any]], name: str) -> list[dict[str, Any]]:
-    """The rules of the ClusterRole called ``name``."""
+def rules(
+    documents: Sequence[Mapping[str, Any]], name: str, kind: str = "ClusterRole"
+) -> list[dict[str, Any]]:
+    """The rules of the ClusterRole (or ``kind``: a Role) called ``name``."""
     for doc in documents:
-        if doc.get("kind") == "ClusterRole" and doc["metadata"]["name"] == name:
+        if doc.get("kind") == kind and doc["metadata"]["name"] == name:
             return list(doc.get("rules") or [])
-    raise KeyError(f"no ClusterRole {name}")
+    raise KeyError(f"no {kind} {name}")
 
 
 def allows(
@@ -89,9 +91,11 @@ def allows(
     return False
 
 
-def api_calls(paths: Sequence[tuple[str, str, bool]]) -> Iterator[tuple[str, str, str]]:
-    """(group, resource[/subresource], verb) for each (method, path, watch) served,
-    skipping discovery (non-resource URLs every authenticated client may read)."""
+def api_calls(
+    paths: Sequence[tuple[str, str, bool]],
+) -> Iterator[tuple[str, str, str, str | None, str | None]]:
+    """(group, resource[/subresource], verb, namespace, name) for each (method, path, watch)
+    served, skipping discovery (non-resource URLs every authenticated client may read)."""
     for method, path, watch in paths:
         parts = path.strip("/").split("/")
         if parts[0] == "api" and len(parts) > 2:
@@ -100,8 +104,9 @@ def api_calls(paths: Sequence[tuple[str, str, bool]]) -> Iterator[tuple[str, str
             group, rest = parts[1], parts[3:]
         else:
             continue  # /api, /apis, /api/v1, /apis/<group>/<version>: discovery
+        namespace = None
         if rest[0] == "namespaces" and len(rest) > 2:
-            rest = rest[2:]
+            namespace, rest = rest[1], rest[2:]
         resource = rest[0]
         named = len(rest) > 1
         if len(rest) > 2:
@@ -113,7 +118,7 @@ def api_calls(paths: Sequence[tuple[str, str, bool]]) -> Iterator[tuple[str, str
             "PUT": "update",
             "DELETE": "delete",
         }[method]
-        yield group, resource, verb
+        yield group, resource, verb, namespace, rest[1] if named else None
 
 
 def owner_reference_calls(

@@ -56,3 +56,26 @@ def converged(kube_client, name: str = "demo") -> bool:
 
 def all_children(kube) -> bool:
     return all(set(names(kube, r)) == want for r, want in CHILDREN.items())
+
+
+def mark_ready(kube_client, name: str = "demo", namespace: str = "default") -> None:
+    """Do what the Deployment controller would: every pool's pods ready at the asked size."""
+    for pool in ("prefill", "decode", "router"):
+        d = kube_client.get(DEPLOYMENT, namespace, f"{name}-{pool}")
+        assert d is not None, pool
+        n = d["spec"].get("replicas", 1)
+        kube_client.patch(
+            DEPLOYMENT,
+            namespace,
+            f"{name}-{pool}",
+            {
+                "status": {
+                    "observedGeneration": d["metadata"]["generation"],
+                    "replicas": n,
+                    "readyReplicas": n,
+                    "updatedReplicas": n,
+                    "availableReplicas": n,
+                }
+            },
+            subresource="status",
+        )

@@ -3,10 +3,12 @@
 :func:`splitserve_operator.control.runtime.build` makes.
 
 ``with OperatorThread(config, configuration) as op:`` starts it and waits until kopf
-has run its startup handlers; leaving the block stops kopf, waits for its thread and
-closes what the operator holds (resync thread, executor, API client), re-raising
-whatever made the operator fail. A stopped operator stays stopped: start a new one to
-restart.
+has run its startup handlers (with leader election on: until this replica leads; pass
+``wait_for_lead=False`` to ``start`` for a standby); leaving the block stops kopf, waits
+for its thread and closes what the operator holds (resync, autoscaling loop, executor, API
+client, the lease), re-raising whatever made the operator fail. :meth:`kill` stops it as
+a crash would (the lease is left to expire). A stopped operator stays stopped: start a
+new one to restart.
 
 kopf's command line reconfigures the root logger (``--quiet``: warnings and up) and
 captures the process's stdout and stderr while it runs, so print nothing a caller
@@ -28,6 +30,7 @@ import kubernetes.client
 from kopf.testing import KopfRunner
 from splitserve_operator.control.config import OperatorConfig
 from splitserve_operator.control.controller import Controller
+from splitserve_operator.control.health import HealthServer
 from splitserve_operator.control.runtime import Operator, build
 
 
@@ -38,8 +41,6 @@ def kopf_args(config: OperatorConfig) -> list[str]:
         args.append("--all-namespaces")
     for namespace in config.namespaces:
         args += ["--namespace", namespace]
-    if config.liveness_endpoint:
-        args += ["--liveness", config.liveness_endpoint]
     return args
 
 
@@ -59,15 +60,18 @@ class OperatorThread:
         self.timeout = timeout
         self._started = threading.Event()
         self._stack = contextlib.ExitStack()
+        self._stopping = threading.Lock()
         self._runner = KopfRunner(
             kopf_args(config),
             registry=self.operator.registry,
             settings=self.operator.settings,
             timeout=timeout,
         )
+        # Losing the lease stops kopf, from another thread than the one renewing it.
+        self.operator.on_lost = lambda: threading.Thread(target=self.stop, daemon=True).start()
 
         # Registered after the operator's own startup handlers, which kopf runs in
-        # order: when this one runs, those have run (the metrics endpoint is up).
+        # order: when this one runs, those have run (leadership held, metrics up).
         @kopf.on.startup(registry=self.operator.registry)
         def _started(**_: Any) -> None:
             self._started.set()
@@ -80,11 +84,24 @@ class OperatorThread:
     def running(self) -> bool:
         return self._started.is_set() and not self._runner.future.done()
 
-    def start(self, wait: float = 30.0) -> OperatorThread:
-        self.operator.resync.start()
+    @property
+    def leading(self) -> bool:
+        """Whether this replica acts (always, without leader election)."""
+        elector = self.operator.elector
+        return self.running and (elector is None or elector.leading)
+
+    def start(self, wait: float = 30.0, *, wait_for_lead: bool = True) -> OperatorThread:
         self._stack.callback(self.operator.close)
+        if self.operator.config.liveness_endpoint:
+            health = HealthServer(self.operator.config.liveness_endpoint, self.operator.heartbeats)
+            self._stack.callback(health.close)
+            health.start()
         self._stack.enter_context(self._runner)
+        # first on the way out: a standby blocked waiting for the lease lets go at once
+        self._stack.callback(self.operator.stopping.set)
         self._runner.future.add_done_callback(self._ended)
+        if not wait_for_lead:
+            return self
         if not self._started.wait(wait):
             self.stop()
             raise TimeoutError(f"the operator did not start within {wait} s")
@@ -99,7 +116,14 @@ class OperatorThread:
     def stop(self) -> None:
         """Stop kopf, wait for its thread, release the operator's resources; raises what
         made the operator fail, if anything did. Idempotent."""
-        self._stack.close()
+        with self._stopping:
+            self._stack.close()
+
+    def kill(self) -> None:
+        """Stop as a crash would: the lease is not handed back (a standby takes it only
+        once it expires)."""
+        self.operator.release_on_close = False
+        self.stop()
 
     def __enter__(self) -> OperatorThread:
         return self.start()

@@ -6,15 +6,26 @@ import copy
 import json
 from typing import Any
 
+from splitserve_operator.api.models import InferenceServiceSpec
 from splitserve_operator.api.parse import parse_spec
-from splitserve_operator.api.values import Pool
+from splitserve_operator.api.values import WORKER_POOLS, Pool
 from splitserve_operator.render.manifests import RenderInputs, render
 from splitserve_operator.render.names import ServiceRef
-from splitserve_operator.render.replicas import plan_replicas
+from splitserve_operator.render.replicas import deployment_replicas, pool_target
 
 K8S_VERSION = "1.32"
 REF = ServiceRef(name="demo", namespace="team-a", uid="0000-uid")
 BASE: dict[str, Any] = {"model": {"name": "smollm2-135m"}, "image": "splitserve/worker:0.1.0"}
+
+
+def inputs(spec: InferenceServiceSpec, replicas: dict[Pool, int] | None = None) -> RenderInputs:
+    """What a first reconcile renders with: new pools at their seed size."""
+    plan = replicas or {pool: deployment_replicas(spec, pool, None) for pool in Pool}
+    pools = {
+        pool: pool_target(spec, pool, exists=False, live=None, recorded=None, ours=False)
+        for pool in WORKER_POOLS
+    }
+    return RenderInputs(replicas=plan, token="secret-token", pools=pools)
 
 
 def objects(
@@ -25,8 +36,7 @@ def objects(
     for key, value in (changes or {}).items():
         raw[key] = value
     spec = parse_spec(raw, name=REF.name)
-    plan = replicas or {pool: plan_replicas(spec, pool) for pool in Pool}
-    out = render(REF, spec, RenderInputs(replicas=plan, token="secret-token"))
+    out = render(REF, spec, inputs(spec, replicas))
     return {f"{d.kind}/{d.name}": d.manifest for d in out if not d.existing_only}
 
 
@@ -35,8 +45,7 @@ def existing_only(changes: dict[str, Any] | None = None) -> dict[str, dict[str, 
     raw = copy.deepcopy(BASE)
     raw.update(changes or {})
     spec = parse_spec(raw, name=REF.name)
-    plan = {pool: plan_replicas(spec, pool) for pool in Pool}
-    out = render(REF, spec, RenderInputs(replicas=plan, token="secret-token"))
+    out = render(REF, spec, inputs(spec))
     return {f"{d.kind}/{d.name}": d.manifest for d in out if d.existing_only}
 
 

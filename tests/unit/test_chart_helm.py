@@ -95,12 +95,42 @@ def test_the_operator_pod_is_restricted_and_runs_the_operator() -> None:
         if d["kind"] == "Deployment"
     ]
     assert fixed["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 2000
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
     (container,) = pod["containers"]
     assert container["image"] == "splitserve/operator:0.1.0"
     assert "--router-cluster-role=splitserve-router" in container["args"]
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def test_two_replicas_elect_one_leader_and_spread_out() -> None:
+    documents = chart.template()
+    (deployment,) = [d for d in documents if d["kind"] == "Deployment"]
+    spec = deployment["spec"]
+    assert spec["replicas"] == 2
+    assert spec["strategy"] == {"type": "RollingUpdate",
+                                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}  # fmt: skip
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    assert "--leader-election" in container["args"]
+    assert "--lease-name=splitserve" in container["args"]
+    env = {
+        e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        for e in container["env"]
+    }
+    assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
+    anti = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert anti[0]["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    (budget,) = [d for d in documents if d["kind"] == "PodDisruptionBudget"]
+    assert budget["spec"]["maxUnavailable"] == 1
+
+
+def test_one_replica_without_leader_election_recreates() -> None:
+    documents = chart.template(sets=["operator.replicas=1", "operator.leaderElection=false"])
+    (deployment,) = [d for d in documents if d["kind"] == "Deployment"]
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert not [d for d in documents if d["kind"] in ("Role", "PodDisruptionBudget")]
+    failed = chart.helm("template", "x", str(chart.CHART), "--set", "operator.replicas=2",
+                        "--set", "operator.leaderElection=false", check=False)  # fmt: skip
+    assert failed.returncode != 0 and "needs operator.leaderElection" in failed.stderr
 
 
 def test_watch_namespaces_bind_per_namespace() -> None:

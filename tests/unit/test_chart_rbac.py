@@ -14,6 +14,8 @@ EXPECTED = {
     ("splitserve.io", "inferenceservices"): {"get", "list", "watch", "patch"},
     ("splitserve.io", "inferenceservices/status"): {"get", "patch"},
     ("splitserve.io", "inferenceservices/finalizers"): {"update"},
+    ("splitserve.io", "workerpools"): {"get", "list", "watch", "create", "patch"},
+    ("splitserve.io", "workerpools/status"): {"patch"},
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
     ("", "services"): {"get", "create", "patch"},
     ("", "configmaps"): {"get", "create", "patch"},
@@ -81,6 +83,18 @@ def test_the_operator_may_not_read_or_delete_secrets_or_escalate(documents: list
     assert not any("delete" in v or "deletecollection" in v for v in verbs(rules).values())
 
 
+def test_leader_election_may_renew_only_its_own_lease(documents: list[dict]) -> None:
+    rules = chart.rules(documents, "splitserve-leader-election", kind="Role")
+    assert verbs(rules) == {("coordination.k8s.io", "leases"): {"create", "get", "patch"}}
+    for verb in ("get", "patch"):
+        assert chart.allows(rules, "coordination.k8s.io", "leases", verb, "splitserve")
+        assert not chart.allows(rules, "coordination.k8s.io", "leases", verb, "kube-scheduler")
+    (binding,) = [d for d in documents if d["kind"] == "RoleBinding"]
+    assert binding["metadata"]["namespace"] == "splitserve-system"
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": "splitserve-leader-election"}  # fmt: skip
+
+
 def test_router_role_is_read_only_discovery(documents: list[dict]) -> None:
     assert verbs(chart.rules(documents, "splitserve-router")) == ROUTER
 
@@ -120,10 +134,17 @@ def test_tenants_get_inferenceservices_through_the_built_in_roles(documents: lis
             "get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"
         },
         ("splitserve.io", "inferenceservices/status"): {"get"},  # the operator's to write
+        # scaled as a Deployment is (kubectl scale); made and deleted by the operator
+        ("splitserve.io", "workerpools"): {"get", "list", "watch", "update", "patch"},
+        ("splitserve.io", "workerpools/scale"): {"get", "update", "patch"},
+        ("splitserve.io", "workerpools/status"): {"get"},
     }  # fmt: skip
     assert verbs(view["rules"]) == {
         ("splitserve.io", "inferenceservices"): {"get", "list", "watch"},
         ("splitserve.io", "inferenceservices/status"): {"get", "list", "watch"},
+        ("splitserve.io", "workerpools"): {"get", "list", "watch"},
+        ("splitserve.io", "workerpools/status"): {"get", "list", "watch"},
+        ("splitserve.io", "workerpools/scale"): {"get", "list", "watch"},
     }
     off = chart.template(sets=["rbac.aggregate=false"])
     assert not [d for d in off if d["metadata"]["name"] in ("splitserve-edit", "splitserve-view")]

@@ -1,5 +1,8 @@
-"""The CRD: one source, its shape, and a schema that rejects what it can (checked with
-jsonschema for types and ranges and with a CEL interpreter for the cross-field rules)."""
+"""The CRDs: one source, their shape, and a schema that rejects what it can (checked with
+jsonschema for types and ranges and with a CEL interpreter for the cross-field rules).
+The InferenceService's is tested field by field; the rules every CRD must keep (one
+source copied into the chart, structural, every field described) hold for the
+WorkerPool's too."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from crd_validation import CRD_PATH, load_crd, problems, schema_of
+from crd_validation import load_crd, problems, schema_of
 from splitserve_operator.api.parse import SpecError, parse_spec
 from splitserve_operator.api.values import Pool
 
@@ -17,6 +20,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART_COPY = ROOT / "charts" / "splitserve" / "crds" / "inferenceservices.splitserve.io.yaml"
+CRDS = sorted((ROOT / "crds").glob("*.yaml"))
 EXAMPLES = sorted((ROOT / "charts" / "splitserve" / "examples").glob("*.yaml"))
 
 
@@ -32,9 +36,15 @@ def resource(**spec: Any) -> dict[str, Any]:
 
 
 def test_the_chart_carries_an_identical_copy() -> None:
-    assert CHART_COPY.read_bytes() == CRD_PATH.read_bytes(), (
-        "charts/splitserve/crds/ must be a copy of crds/: cp crds/*.yaml charts/splitserve/crds/"
-    )
+    assert [p.name for p in CRDS] == [
+        "inferenceservices.splitserve.io.yaml",
+        "workerpools.splitserve.io.yaml",
+    ]
+    for path in CRDS:
+        assert (CHART_COPY.parent / path.name).read_bytes() == path.read_bytes(), (
+            f"charts/splitserve/crds/{path.name} must be a copy of crds/{path.name}: "
+            "cp crds/*.yaml charts/splitserve/crds/"
+        )
     assert sorted(p.name for p in (ROOT / "crds").glob("*.yaml")) == sorted(
         p.name for p in CHART_COPY.parent.glob("*.yaml")
     )
@@ -82,8 +92,9 @@ def _structural(schema: dict[str, Any], path: str = "") -> list[str]:
     return out
 
 
-def test_the_schema_is_structural() -> None:
-    schema = schema_of(load_crd())
+@pytest.mark.parametrize("path", CRDS, ids=lambda p: p.name)
+def test_the_schema_is_structural(path: Path) -> None:
+    schema = schema_of(load_crd(path))
     assert _structural(schema) == []
     # the API server refuses anything at the root's metadata but its type (a description
     # included: "must not specify anything other than name and generateName")
@@ -513,10 +524,14 @@ def _strip_descriptions(schema: Any) -> Any:
     return schema
 
 
+@pytest.mark.parametrize("path", CRDS, ids=lambda p: p.name)
+def test_every_crd_field_has_a_description(path: Path) -> None:
+    missing = _undescribed(schema_of(load_crd(path)), "<root>")
+    assert missing == [], f"{len(missing)} schema nodes without a description: {missing}"
+
+
 def test_every_field_has_a_description() -> None:
     schema = schema_of(load_crd())
-    missing = _undescribed(schema, "<root>")
-    assert missing == [], f"{len(missing)} schema nodes without a description: {missing}"
     # the walk reaches every node (one that stopped early would find nothing), and
     # finds one without a description
     described = _undescribed(_strip_descriptions(copy.deepcopy(schema)), "<root>")

@@ -45,6 +45,33 @@ def test_flags_become_the_config() -> None:
     assert settings.posting.enabled is False
 
 
+def test_leader_election_flags_and_what_they_need(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    monkeypatch.setenv("POD_NAMESPACE", "splitserve-system")
+    monkeypatch.setenv("POD_NAME", "splitserve-7d9-abc")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = config_from(parser.parse_args(["--leader-election", "--lease-name", "ss"]))
+    lease = config.leader_election
+    assert lease is not None
+    assert (lease.namespace, lease.name, lease.identity) == (
+        "splitserve-system",
+        "ss",
+        "splitserve-7d9-abc",
+    )
+    assert config_from(parser.parse_args([])).leader_election is None
+    monkeypatch.delenv("POD_NAMESPACE")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit, match="--lease-namespace or set POD_NAMESPACE"):
+        config_from(parser.parse_args(["--leader-election"]))
+    settings = config.kopf_settings()
+    assert settings.watching.label_selectors[("apps", "deployments")] == (
+        "app.kubernetes.io/managed-by=splitserve-operator"
+    )
+
+
 def test_splitserve_operator_subcommand_has_the_same_flags() -> None:
     from splitserve.cli import build_parser
 
@@ -57,7 +84,7 @@ def test_render_spec_and_status_import_neither_kopf_nor_the_client() -> None:
     code = (
         "import sys; import splitserve_operator.render.manifests, "
         "splitserve_operator.api.parse, splitserve_operator.api.status, "
-        "splitserve_operator.control.merge; "
+        "splitserve_operator.control.ownership, splitserve_operator.control.config; "
         "bad = [m for m in ('kopf', 'kubernetes', 'grpc') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

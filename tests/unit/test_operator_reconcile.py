@@ -9,10 +9,15 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+import field_managers as fm
 import pytest
 from splitserve_operator.control.k8s import (
+    DEPLOYMENT,
+    WORKER_POOL,
     AlreadyExists,
     ApiError,
+    Applied,
+    Conflict,
     Forbidden,
     Invalid,
     Kind,
@@ -26,8 +31,13 @@ from splitserve_operator.control.serializer import Serializer
 pytestmark = pytest.mark.unit
 
 
+CRD_TYPES = fm.ListTypes(crd_keys={("status", "conditions"): ("type",)}, builtin=False)
+WITH_STATUS = {"InferenceService", "WorkerPool", "Deployment", "Service", "PodDisruptionBudget"}
+
+
 class FakeCluster:
-    """Objects in a dict; ``fail`` maps (verb, kind, name) to an error to raise."""
+    """Objects in a dict, with field ownership as an API server keeps it (the emulator's
+    model, :mod:`field_managers`); ``fail`` maps (verb, kind, name) to an error to raise."""
 
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -42,6 +52,35 @@ class FakeCluster:
         if error is not None:
             raise error
 
+    @staticmethod
+    def _types(kind: str) -> fm.ListTypes:
+        return CRD_TYPES if kind in ("InferenceService", "WorkerPool") else fm.ListTypes()
+
+    def _store(
+        self, key: tuple[str, str, str], obj: dict[str, Any], managers: Any
+    ) -> dict[str, Any]:
+        old = self.objects.get(key)
+        fm.write_managers(obj, managers, old, "2026-01-01T00:00:00Z")
+        meta = obj.setdefault("metadata", {})
+        meta.setdefault("generation", 1)
+        if old is not None and {
+            k: v for k, v in old.items() if k not in ("metadata", "status")
+        } != {k: v for k, v in obj.items() if k not in ("metadata", "status")}:
+            meta["generation"] = int(old["metadata"].get("generation", 1)) + 1
+        self.version += 1
+        meta["resourceVersion"] = str(self.version)
+        self.objects[key] = obj
+        return copy.deepcopy(obj)
+
+    def put(self, manifest: Mapping[str, Any], manager: str = "someone") -> None:
+        """An object someone else made (recorded as theirs, as on a real server)."""
+        kind = str(manifest["kind"])
+        meta = manifest["metadata"]
+        obj = copy.deepcopy(dict(manifest))
+        managers = fm.record_update(None, obj, manager=manager, types=self._types(kind),
+                                    has_status=kind in WITH_STATUS)  # fmt: skip
+        self._store((kind, meta["namespace"], meta["name"]), obj, managers)
+
     def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
         self._check("get", kind.kind, name)
         obj = self.objects.get((kind.kind, namespace, name))
@@ -54,12 +93,34 @@ class FakeCluster:
         key = (kind.kind, meta["namespace"], meta["name"])
         if key in self.objects:
             raise AlreadyExists(409, "AlreadyExists", "exists")
-        self.version += 1
         obj = copy.deepcopy(dict(manifest))
-        obj["metadata"]["resourceVersion"] = str(self.version)
-        obj["metadata"].setdefault("generation", 1)
-        self.objects[key] = obj
-        return copy.deepcopy(obj)
+        managers = fm.record_update(None, obj, manager="splitserve-operator",
+                                    types=self._types(kind.kind))  # fmt: skip
+        return self._store(key, obj, managers)
+
+    def apply(
+        self,
+        manifest: Mapping[str, Any],
+        *,
+        field_manager: str,
+        force: bool = True,
+        subresource: str | None = None,
+    ) -> Applied:
+        kind = kind_of(manifest)
+        meta = manifest["metadata"]
+        self._check("apply" if subresource is None else f"apply/{subresource}", kind.kind,
+                    meta["name"])  # fmt: skip
+        key = (kind.kind, meta["namespace"], meta["name"])
+        live = self.objects.get(key)
+        if live is None and subresource:
+            raise NotFound(404, "NotFound", "gone")
+        try:
+            out = fm.apply(live, manifest, manager=field_manager, force=force,
+                           types=self._types(kind.kind), subresource=subresource or "",
+                           has_status=kind.kind in WITH_STATUS)  # fmt: skip
+        except fm.ApplyConflict as exc:
+            raise Conflict(409, "Conflict", str(exc)) from exc
+        return Applied(self._store(key, out.obj, out.managers), created=live is None)
 
     def patch(
         self,
@@ -77,11 +138,30 @@ class FakeCluster:
         key = (kind.kind, namespace, name)
         if key not in self.objects:
             raise NotFound(404, "NotFound", "gone")
-        self.objects[key] = merge_patch(self.objects[key], patch)
-        return copy.deepcopy(self.objects[key])
+        old = self.objects[key]
+        new = merge_patch(old, patch)
+        managers = fm.record_update(old, new, manager="someone", types=self._types(kind.kind),
+                                    subresource=subresource or "",
+                                    has_status=kind.kind in WITH_STATUS)  # fmt: skip
+        return self._store(key, new, managers)
 
     def event(self, involved: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
         self.events.append((type_, reason, message))
+
+    def writes(self) -> list[tuple[str, str, str]]:
+        return [c for c in self.calls if c[0] != "get"]
+
+    def ready(self) -> None:
+        """Every Deployment's pods ready, as the Deployment controller would report."""
+        for (kind, namespace, name), obj in list(self.objects.items()):
+            if kind == "Deployment":
+                n = obj["spec"]["replicas"]
+                status = {
+                    "observedGeneration": obj["metadata"]["generation"],
+                    **{k: n for k in ("replicas", "readyReplicas", "updatedReplicas")},
+                    "availableReplicas": n,
+                }
+                self.patch(DEPLOYMENT, namespace, name, {"status": status}, subresource="status")
 
 
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
@@ -89,9 +169,7 @@ NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
 def reconciler(cluster: FakeCluster) -> Reconciler:
     tokens = iter(f"token-{i}" for i in range(100))
-    return Reconciler(
-        cluster, clock=lambda: NOW, token_factory=lambda: next(tokens), retry_delay=0.5
-    )
+    return Reconciler(cluster, clock=lambda: NOW, token_factory=lambda: next(tokens))
 
 
 def service(cluster: FakeCluster, **spec: Any) -> dict[str, Any]:
@@ -113,14 +191,76 @@ def test_first_reconcile_creates_without_reading_then_nothing_changes() -> None:
     cluster = FakeCluster()
     rec = reconciler(cluster)
     outcome = rec.reconcile(service(cluster))
-    assert len(outcome.created) == 14 and not outcome.problems
+    assert len(outcome.created) == 16 and not outcome.problems
     assert not [c for c in cluster.calls if c[0] == "get"]
     assert cluster.events[0][:2] == ("Normal", "Created")
     cluster.calls.clear()
     again = rec.reconcile(latest(cluster))
     assert set(again.actions.values()) == {Action.UNCHANGED}
-    assert [c for c in cluster.calls if c[0] != "get" and c[1] != "Secret"] == []
+    assert [c for c in cluster.writes() if c[1] != "Secret"] == []
     assert cluster.events[1:] == []
+
+
+def test_an_unchanged_ready_service_costs_reads_only() -> None:
+    """Once every pool is ready, a reconcile of an unchanged service writes nothing, not
+    even the token Secret's create."""
+    cluster = FakeCluster()
+    rec = reconciler(cluster)
+    rec.reconcile(service(cluster))
+    cluster.ready()
+    rec.reconcile(latest(cluster))  # reports the pools ready
+    cluster.calls.clear()
+    rec.reconcile(latest(cluster))
+    assert cluster.writes() == []
+
+
+def test_a_field_the_spec_no_longer_asks_for_is_removed_and_others_kept() -> None:
+    cluster = FakeCluster()
+    rec = reconciler(cluster)
+    rec.reconcile(service(cluster, decode={"nodeSelector": {"gpu": "h100"}}))
+    key = ("Deployment", "ns", "demo-decode")
+    assert cluster.objects[key]["spec"]["template"]["spec"]["nodeSelector"] == {"gpu": "h100"}
+    cluster.patch(DEPLOYMENT, "ns", "demo-decode", {"metadata": {"labels": {"team": "a"}}})
+    body = latest(cluster)
+    body["spec"]["decode"] = {}  # nodeSelector gone from the spec
+    body["metadata"]["generation"] = 2
+    outcome = rec.reconcile(body)
+    assert "Deployment/demo-decode" in outcome.patched
+    deployment = cluster.objects[key]
+    assert "nodeSelector" not in deployment["spec"]["template"]["spec"]
+    assert deployment["metadata"]["labels"]["team"] == "a"  # another writer's label stays
+
+
+def test_a_pool_scaled_by_someone_else_keeps_its_size_until_the_spec_asks_anew() -> None:
+    cluster = FakeCluster()
+    rec = reconciler(cluster)
+    rec.reconcile(service(cluster))
+    cluster.patch(WORKER_POOL, "ns", "demo-decode", {"spec": {"replicas": 5}}, subresource="scale")
+    rec.reconcile(latest(cluster))
+    assert cluster.objects[("Deployment", "ns", "demo-decode")]["spec"]["replicas"] == 5
+    rec.reconcile(latest(cluster))  # again: nothing reverts it
+    assert cluster.objects[("WorkerPool", "ns", "demo-decode")]["spec"]["replicas"] == 5
+    body = latest(cluster)
+    body["spec"]["decode"] = {"replicas": 2}
+    rec.reconcile(body)
+    assert cluster.objects[("WorkerPool", "ns", "demo-decode")]["spec"]["replicas"] == 2
+    assert cluster.objects[("Deployment", "ns", "demo-decode")]["spec"]["replicas"] == 2
+
+
+def test_the_status_holds_the_reconcilers_conditions_beside_others() -> None:
+    cluster = FakeCluster()
+    rec = reconciler(cluster)
+    rec.reconcile(service(cluster))
+    planner = {"apiVersion": "splitserve.io/v1alpha1", "kind": "InferenceService",
+               "metadata": {"name": "demo", "namespace": "ns"},
+               "status": {"conditions": [{"type": "ScalingActive", "status": "True"}]}}  # fmt: skip
+    cluster.apply(planner, field_manager="splitserve-planner", subresource="status")
+    body = latest(cluster)
+    body["spec"]["image"] = "img:2"
+    body["metadata"]["generation"] = 2
+    rec.reconcile(body)
+    types = [c["type"] for c in latest(cluster)["status"]["conditions"]]
+    assert sorted(types) == ["Degraded", "Progressing", "Ready", "ScalingActive"]
 
 
 def test_the_token_is_never_regenerated() -> None:
@@ -142,7 +282,7 @@ def test_spec_changes_are_patched() -> None:
     body["spec"]["decode"] = {"replicas": 4}
     body["metadata"]["generation"] = 2
     outcome = rec.reconcile(body)
-    assert outcome.patched == ["Deployment/demo-decode"]
+    assert sorted(outcome.patched) == ["Deployment/demo-decode", "WorkerPool/demo-decode"]
     assert cluster.objects[("Deployment", "ns", "demo-decode")]["spec"]["replicas"] == 4
     assert latest(cluster)["status"]["observedGeneration"] == 2
 
@@ -177,7 +317,7 @@ def test_objects_being_deleted_are_left_to_the_garbage_collector() -> None:
 )
 def test_refusals_become_degraded_and_the_rest_is_applied(error: ApiError, reason: str) -> None:
     cluster = FakeCluster()
-    cluster.fail[("create", "Deployment", "demo-decode")] = error
+    cluster.fail[("apply", "Deployment", "demo-decode")] = error
     outcome = reconciler(cluster).reconcile(service(cluster))
     assert outcome.actions["Deployment/demo-decode"] == Action.FAILED
     assert ("Deployment", "ns", "demo-router") in cluster.objects
@@ -186,40 +326,45 @@ def test_refusals_become_degraded_and_the_rest_is_applied(error: ApiError, reaso
     assert ("Warning", reason) in [e[:2] for e in cluster.events]
 
 
-@pytest.mark.parametrize("status", [0, 429, 500, 503])
+@pytest.mark.parametrize("status", [0, 409, 429, 500, 503])
 def test_transient_failures_ask_for_a_retry(status: int) -> None:
     cluster = FakeCluster()
-    cluster.fail[("create", "ConfigMap", "demo-config")] = ApiError(status, "x", "try later")
+    hint = 7.0 if status == 429 else None
+    cluster.fail[("apply", "ConfigMap", "demo-config")] = ApiError(status, "x", "later", hint)
     with pytest.raises(RetryLater) as exc:
         reconciler(cluster).reconcile(service(cluster))
-    assert exc.value.delay == 0.5
+    assert exc.value.retry_after == hint
 
 
 def test_objects_of_others_are_not_taken_over_but_orphans_of_ours_are() -> None:
     cluster = FakeCluster()
-    cluster.objects[("Deployment", "ns", "demo-prefill")] = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {
-            "name": "demo-prefill",
-            "namespace": "ns",
-            "ownerReferences": [{"uid": "someone", "controller": True}],
-        },
-        "spec": {"replicas": 9},
-    }
-    cluster.objects[("Service", "ns", "demo-prefill")] = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {
-            "name": "demo-prefill",
-            "namespace": "ns",
-            "labels": {
-                "app.kubernetes.io/managed-by": "splitserve-operator",
-                "app.kubernetes.io/instance": "demo",
+    cluster.put(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {
+                "name": "demo-prefill",
+                "namespace": "ns",
+                "ownerReferences": [{"uid": "someone", "controller": True}],
             },
-        },
-        "spec": {},
-    }
+            "spec": {"replicas": 9},
+        }
+    )
+    cluster.put(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {
+                "name": "demo-prefill",
+                "namespace": "ns",
+                "labels": {
+                    "app.kubernetes.io/managed-by": "splitserve-operator",
+                    "app.kubernetes.io/instance": "demo",
+                },
+            },
+            "spec": {},
+        }
+    )
     outcome = reconciler(cluster).reconcile(service(cluster))
     assert outcome.actions["Deployment/demo-prefill"] == Action.FAILED
     assert outcome.problems[0].reason.value == "NameConflict"
@@ -255,7 +400,7 @@ def test_serializer_runs_one_at_a_time_and_coalesces_nudges() -> None:
 
 def test_a_lasting_problem_is_announced_once() -> None:
     cluster = FakeCluster()
-    cluster.fail[("create", "Deployment", "demo-decode")] = Invalid(422, "Invalid", "bad")
+    cluster.fail[("apply", "Deployment", "demo-decode")] = Invalid(422, "Invalid", "bad")
     rec = reconciler(cluster)
     rec.reconcile(service(cluster))
     rec.reconcile(latest(cluster))

@@ -25,7 +25,7 @@ from splitserve_operator.api.values import Pool
 from splitserve_operator.render.commands import (
     WORKER_METRICS_PORT,
 )
-from splitserve_operator.render.replicas import plan_replicas
+from splitserve_operator.render.replicas import deployment_replicas, pool_target, seed_replicas
 from splitserve_operator.render.security import restricted_violations
 
 pytestmark = pytest.mark.unit
@@ -460,13 +460,19 @@ def _autoscaling_enabled() -> None:
             "autoscaling": {"enabled": True, "prometheusUrl": "http://p:9090"},
         }
     )
-    # On: the planner's number (status.pools.decode.desiredReplicas), else the live one.
-    assert plan_replicas(spec, Pool.DECODE, live=2, planned=5) == 5
-    assert plan_replicas(spec, Pool.DECODE, live=2) == 2
-    assert plan_replicas(spec, Pool.DECODE) == 3
-    assert plan_replicas(spec, Pool.ROUTER, live=4, planned=9) == 1  # the router is not scaled
+    # On: the pool's target (its WorkerPool's spec.replicas) clamped to the bounds; a new
+    # pool starts at spec.decode.replicas.
+    assert deployment_replicas(spec, Pool.DECODE, 5) == 5
+    assert deployment_replicas(spec, Pool.DECODE, 50) == 8  # maxReplicas' default
+    assert deployment_replicas(spec, Pool.DECODE, None) == 3
+    assert deployment_replicas(spec, Pool.ROUTER, 9) == 1  # the router is not scaled
+    # ...and the planner owns the pool's size: a spec edit does not reach an existing pool.
+    held = pool_target(spec, Pool.DECODE, exists=True, live=5, recorded=2, ours=False)
+    assert (held.replicas, held.target) == (None, 5)
     off = parse_spec({**BASE, "decode": {"replicas": 3}})
-    assert plan_replicas(off, Pool.DECODE, live=2, planned=5) == 3
+    assert deployment_replicas(off, Pool.DECODE, 50) == 50  # off: no bounds
+    edited = pool_target(off, Pool.DECODE, exists=True, live=5, recorded=2, ours=False)
+    assert (edited.replicas, edited.target) == (3, 3)  # off: a spec edit is a new request
 
 
 def _bounds(pool: Pool, field: str) -> Callable[[], None]:
@@ -484,10 +490,11 @@ def _bounds(pool: Pool, field: str) -> Callable[[], None]:
             }
         )
         if field == "minReplicas":
-            assert plan_replicas(spec, pool, planned=0) == 2
+            assert deployment_replicas(spec, pool, 0) == 2
+            assert seed_replicas(spec, pool) == 2  # spec's 1, raised to the minimum
         else:
-            assert plan_replicas(spec, pool, planned=50) == 4
-        assert plan_replicas(spec, pool, planned=3) == 3
+            assert deployment_replicas(spec, pool, 50) == 4
+        assert deployment_replicas(spec, pool, 3) == 3
 
     return check
 

@@ -1,5 +1,5 @@
-"""Render's smaller rules at their edges: the planner's zero, the owner of
-``desiredReplicas``, the restricted-profile check on pods that break it, the config
+"""Render's smaller rules at their edges: a pool sized zero, who writes a pool's size,
+the restricted-profile check on pods that break it, the config
 document's names and ports, and what render hands around frozen."""
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from splitserve_operator.api.values import Pool
 from splitserve_operator.render.commands import ROUTER_HTTP_PORT, WORKER_GRPC_PORT
 from splitserve_operator.render.manifests import Desired, RenderInputs, render
 from splitserve_operator.render.names import ServiceRef
-from splitserve_operator.render.replicas import owns_desired_replicas, plan_replicas
+from splitserve_operator.render.replicas import deployment_replicas, pool_target
 from splitserve_operator.render.security import restricted_violations
 
 pytestmark = pytest.mark.unit
 
 AUTOSCALED: dict[str, Any] = {
     **BASE,
-    "slo": {"ttftSeconds": 1, "tpotSeconds": 0.1},
+    "slo": {"ttft": "1s", "tpot": "100ms"},
     "autoscaling": {
         "enabled": True,
         "prometheusUrl": "http://p:9090",
@@ -31,22 +31,39 @@ AUTOSCALED: dict[str, Any] = {
 }
 
 
-def test_the_planners_zero_is_a_decision_and_a_negative_one_is_ignored() -> None:
-    spec = parse_spec(AUTOSCALED)
-    # 0 is the planner's number (clamped to the minimum 1), not a missing one: the live 3
-    # does not win; -1 is no number, so the live size stands
-    assert plan_replicas(spec, Pool.DECODE, live=3, planned=0) == 1
-    assert plan_replicas(spec, Pool.DECODE, live=3, planned=-1) == 3
-    assert plan_replicas(spec, Pool.DECODE, live=-2, planned=-1) == 1  # the spec's 1
-
-
-def test_the_planner_owns_desired_replicas_of_scaled_pools_only() -> None:
+def test_a_pool_sized_zero_is_a_size_not_a_missing_one() -> None:
     on, off = parse_spec(AUTOSCALED), parse_spec(BASE)
-    assert not owns_desired_replicas(on, Pool.DECODE)
-    assert not owns_desired_replicas(on, Pool.PREFILL)
-    assert owns_desired_replicas(on, Pool.ROUTER)
-    for pool in Pool:
-        assert owns_desired_replicas(off, pool), pool
+    # the planner's 0 on the WorkerPool is its decision, clamped to the minimum 1; the
+    # spec's seed does not replace it, nor does the operator write the field back
+    held = pool_target(on, Pool.DECODE, exists=True, live=0, recorded=1, ours=False)
+    assert (held.replicas, held.target) == (None, 0)
+    assert deployment_replicas(on, Pool.DECODE, 0) == 1
+    # with autoscaling off, a pool scaled to zero from outside stays at zero
+    kept = pool_target(off, Pool.DECODE, exists=True, live=0, recorded=1, ours=False)
+    assert (kept.replicas, kept.target) == (None, 0)
+    assert deployment_replicas(off, Pool.DECODE, 0) == 0
+    # a pool with no size yet starts at the spec's
+    unset = pool_target(on, Pool.DECODE, exists=True, live=None, recorded=None, ours=False)
+    assert (unset.replicas, unset.target) == (1, 1)
+
+
+def test_who_writes_a_pools_size() -> None:
+    on, off = parse_spec(AUTOSCALED), parse_spec(BASE)
+    # autoscaling on: the planner's field; the operator keeps its seed only while it
+    # still owns it, and a spec edit does not reach the pool
+    assert pool_target(on, Pool.DECODE, exists=True, live=3, recorded=1, ours=True).replicas == 3
+    taken = pool_target(on, Pool.DECODE, exists=True, live=3, recorded=1, ours=False)
+    assert taken.replicas is None and taken.requested == 1
+    # autoscaling off: the spec's value while the operator owns the field, or once the
+    # spec changes; another writer's size is left alone until then
+    assert pool_target(off, Pool.DECODE, exists=True, live=1, recorded=1, ours=True).replicas == 1
+    scaled = pool_target(off, Pool.DECODE, exists=True, live=3, recorded=1, ours=False)
+    assert (scaled.replicas, scaled.target) == (None, 3)
+    edited = pool_target(off, Pool.DECODE, exists=True, live=3, recorded=2, ours=False)
+    assert (edited.replicas, edited.target, edited.requested) == (1, 1, 1)
+    # the router has no WorkerPool: its spec alone sizes it, autoscaled or not
+    for spec in (on, off):
+        assert deployment_replicas(spec, Pool.ROUTER, 9) == spec.router.replicas
 
 
 def _broken(change: Any) -> list[str]:

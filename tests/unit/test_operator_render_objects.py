@@ -147,6 +147,8 @@ def test_names_labels_and_owner_references() -> None:
             "Service/demo-prefill",
             "Service/demo-decode",
             "Service/demo-router",
+            "WorkerPool/demo-prefill",
+            "WorkerPool/demo-decode",
             "Deployment/demo-prefill",
             "Deployment/demo-decode",
             "Deployment/demo-router",
@@ -438,3 +440,24 @@ def test_the_operators_own_names_are_the_ones_the_spec_refuses() -> None:
             assert all(k in RESERVED_LABELS or k.startswith(GROUP + "/") for k in labels)
     assert volumes == RESERVED_VOLUMES
     assert mounts == RESERVED_MOUNT_PATHS - {"/"}
+
+
+def test_each_worker_pool_gets_a_scalable_worker_pool_object() -> None:
+    """The WorkerPool carries the pool's size (its scale subresource's spec.replicas) and
+    the spec value it was made from; it is valid against its CRD."""
+    from crd_validation import CRD_PATH, load_crd, schema_of
+    from jsonschema import Draft202012Validator
+    from splitserve_operator.render.pools import worker_pool_status
+
+    objs = objects({"decode": {"replicas": 3}})
+    pool = objs["WorkerPool/demo-decode"]
+    assert pool["spec"] == {"replicas": 3}
+    assert pool["metadata"]["annotations"] == {"splitserve.io/requested-replicas": "3"}
+    assert "WorkerPool/demo-router" not in objs  # the router is sized by its spec only
+    schema = schema_of(load_crd(CRD_PATH.parent / "workerpools.splitserve.io.yaml"))
+    status = worker_pool_status(REF, Pool.DECODE, generation=2, replicas=3, ready=1)
+    for doc in (pool, {**pool, "status": status["status"]}):
+        assert list(Draft202012Validator(schema).iter_errors(doc)) == []
+    assert status["status"]["selector"] == (
+        "app.kubernetes.io/component=decode,app.kubernetes.io/instance=demo"
+    )

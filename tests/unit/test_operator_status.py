@@ -12,7 +12,6 @@ from splitserve_operator.api.status import (
     Reason,
     compute_status,
     invalid_status,
-    status_patch,
 )
 from splitserve_operator.api.values import Pool
 
@@ -79,7 +78,7 @@ def test_not_ready_while_a_pool_is_short() -> None:
     c = conditions(status)
     assert c["Ready"]["status"] == "False" and "decode: 1/2 ready" in c["Ready"]["message"]
     assert c["Progressing"]["status"] == "True"
-    assert "desiredReplicas" not in status["pools"]["decode"]  # the planner's, untouched
+    assert "desiredReplicas" not in status["pools"]["decode"]  # no target given: none written
 
 
 def test_a_missing_deployment_is_not_ready() -> None:
@@ -157,30 +156,27 @@ def test_transition_times_move_only_when_the_status_flips() -> None:
     assert conditions(flipped)["Ready"]["lastTransitionTime"] == "2026-01-01T00:05:00Z"
 
 
-def test_invalid_spec_status_says_what_to_fix_and_keeps_other_conditions() -> None:
-    previous = {"conditions": [{"type": "ScalingActive", "status": "True"}]}
+def test_invalid_spec_status_says_what_to_fix_and_keeps_the_pools() -> None:
+    previous = {
+        "conditions": [{"type": "ScalingActive", "status": "True"}],
+        "pools": {"decode": {"replicas": 2, "readyReplicas": 2}},
+    }
     status = invalid_status(
         generation=7, problems=["spec.image: Field required"], previous=previous, now=T0
     )
     c = conditions(status)
     assert c["Degraded"]["message"] == "fix the spec: spec.image: Field required"
     assert c["Ready"]["reason"] == c["Progressing"]["reason"] == "InvalidSpec"
-    assert c["ScalingActive"] == {"type": "ScalingActive", "status": "True"}
     assert status["observedGeneration"] == 7
+    # the pools still run the last valid spec: reported as they were
+    assert status["pools"] == previous["pools"]
+    # only the reconciler's own conditions: the planner's merge in by type on the server
+    assert "ScalingActive" not in c
 
 
-def test_status_patch_is_minimal_and_keeps_the_planners_fields() -> None:
-    new = {"observedGeneration": 2, "pools": {"decode": {"replicas": 3, "readyReplicas": 1}}}
-    old = {
-        "observedGeneration": 2,
-        "pools": {"decode": {"replicas": 2, "readyReplicas": 1, "desiredReplicas": 3}},
-    }
-    assert status_patch(new, old) == {"pools": {"decode": {"replicas": 3}}}
-    assert status_patch(old | {"pools": {}}, old | {"pools": {}}) is None
-    assert status_patch(new, "garbage") == new  # type: ignore[arg-type]
-
-
-def test_conditions_of_other_writers_are_kept_once() -> None:
+def test_the_reconcilers_status_holds_its_own_conditions_only() -> None:
+    """Each writer applies its own conditions (a list-map keyed by type in the CRD): a
+    status built from a stale read cannot drop or revert another writer's."""
     previous = {
         "conditions": [
             {"type": "ScalingActive", "status": "True"},
@@ -191,10 +187,10 @@ def test_conditions_of_other_writers_are_kept_once() -> None:
         generation=1, pools=pools(), desired={}, problems=[], previous=previous, now=T0
     )
     types = [c["type"] for c in status["conditions"]]
-    assert sorted(types) == ["Degraded", "Progressing", "Ready", "ScalingActive"]
+    assert types == ["Ready", "Progressing", "Degraded"]
 
 
-def test_url_and_warnings_are_reported_and_warnings_go_when_fixed() -> None:
+def test_url_and_warnings_are_reported_and_warnings_left_out_when_fixed() -> None:
     warned = compute_status(
         generation=1,
         pools=pools(),
@@ -216,19 +212,16 @@ def test_url_and_warnings_are_reported_and_warnings_go_when_fixed() -> None:
         now=T1,
         url=warned["url"],
     )
-    patch = status_patch(fixed, warned)
-    assert patch is not None and patch["warnings"] is None  # a merge patch's null removes it
-    assert "url" not in patch
-    # nothing to warn of and nothing warned before: no field, no write
-    again = compute_status(
-        generation=2, pools=pools(), desired={}, problems=[], previous=None, now=T1
-    )
-    old = {k: v for k, v in again.items() if k != "warnings"}  # as stored: no key at all
-    assert again["warnings"] is None and status_patch(again, old) is None
+    # left out of what the reconciler applies: the API server removes the field it owned
+    assert "warnings" not in fixed
+    assert fixed["url"] == warned["url"]
     invalid = invalid_status(
         generation=3, problems=["spec.x: bad"], previous=warned, now=T1, warnings=["w"]
     )
     assert invalid["warnings"] == ["w"]
+    assert invalid["url"] == warned["url"]  # the router still serves the last valid spec
+    quiet = invalid_status(generation=3, problems=["spec.x: bad"], previous=warned, now=T1)
+    assert "warnings" not in quiet
 
 
 def test_every_condition_carries_every_field() -> None:

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
-from splitserve_operator.api.status import compute_status
 from splitserve_operator.control.autoscaling.config import AutoscaleConfig
 from splitserve_operator.control.autoscaling.loop import Autoscaler
 from splitserve_operator.control.autoscaling.metrics import OperatorMetrics
 from splitserve_operator.control.autoscaling.status import CONDITION
+from splitserve_operator.control.k8s import FIELD_MANAGER, PLANNER, Applied
 from splitserve_operator.control.prometheus import MetricsUnavailable, Target
 from splitserve_operator.planner.model import Observation
 
@@ -26,36 +26,65 @@ CALM = dict(
 
 
 class FakeCluster:
+    """Deployments and WorkerPools by name; records what the loop applies."""
+
     def __init__(self) -> None:
         self.deployments: dict[str, dict[str, Any]] = {}
-        self.status_patches: list[dict[str, Any]] = []
+        self.pools: dict[str, dict[str, Any]] = {}
+        self.pool_applies: list[tuple[str, int, str]] = []
+        self.status_applies: list[dict[str, Any]] = []
         self.events: list[tuple[str, str, str]] = []
 
-    def deployment(self, name: str, replicas: int, ready: int) -> None:
+    def deployment(self, name: str, replicas: int, ready: int, scaler: str = FIELD_MANAGER) -> None:
         self.deployments[name] = {
             "spec": {"replicas": replicas},
             "status": {"readyReplicas": ready},
         }
+        self.scale(name, replicas, scaler)
+
+    def scale(self, name: str, replicas: int, scaler: str) -> None:
+        """The pool at ``replicas``, its spec.replicas last written by ``scaler``."""
+        self.pools[name] = {
+            "metadata": {
+                "name": name,
+                "managedFields": [
+                    {
+                        "manager": scaler,
+                        "operation": "Update",
+                        "fieldsV1": {"f:spec": {"f:replicas": {}}},
+                    }
+                ],
+            },
+            "spec": {"replicas": replicas},
+        }
 
     def get(self, kind: Any, namespace: str, name: str) -> dict[str, Any] | None:
-        return self.deployments.get(name)
+        return (self.pools if kind.kind == "WorkerPool" else self.deployments).get(name)
 
     def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
         raise AssertionError("the autoscaling loop creates nothing")
 
-    def patch(
+    def patch(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        raise AssertionError("the autoscaling loop writes with server-side apply only")
+
+    def apply(
         self,
-        kind: Any,
-        namespace: str,
-        name: str,
-        patch: Any,
+        manifest: Mapping[str, Any],
         *,
+        field_manager: str,
+        force: bool = True,
         subresource: str | None = None,
-        content_type: str = "",
-    ) -> dict[str, Any]:
-        assert subresource == "status"
-        self.status_patches.append(patch["status"])
-        return {}
+    ) -> Applied:
+        assert field_manager == PLANNER
+        if subresource == "status":
+            assert manifest["kind"] == "InferenceService"
+            self.status_applies.append(dict(manifest["status"]))
+        else:
+            assert manifest["kind"] == "WorkerPool" and subresource is None
+            name, replicas = manifest["metadata"]["name"], manifest["spec"]["replicas"]
+            self.pool_applies.append((name, replicas, field_manager))
+            self.scale(name, replicas, field_manager)
+        return Applied(dict(manifest), created=False)
 
     def event(self, involved: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
         self.events.append((type_, reason, message))
@@ -98,10 +127,7 @@ def service(**autoscaling: Any) -> dict[str, Any]:
                 **autoscaling,
             },
         },
-        "status": {
-            "pools": {"decode": {"desiredReplicas": 2}, "prefill": {}},
-            "conditions": [{"type": "Ready", "status": "True"}],
-        },
+        "status": {"conditions": [{"type": "Ready", "status": "True"}]},
     }
 
 
@@ -130,16 +156,15 @@ def test_a_tpot_breach_scales_decode_and_says_why(rig: Any) -> None:
     source.obs = Observation(**{**CALM, "tpot_s": 0.075})  # 1.5x the SLO
     result = scaler.tick(service())
     assert result is not None and result.patched
-    patch = cluster.status_patches[-1]
-    # ceil(2 x min(1.5, 2)) = 3, written where the reconciler reads the planner's target
-    assert patch["pools"] == {"decode": {"desiredReplicas": 3}}
+    # ceil(2 x min(1.5, 2)) = 3, applied to the pool's WorkerPool as the planner
+    assert cluster.pool_applies == [("chat-decode", 3, PLANNER)]
+    patch = cluster.status_applies[-1]
     decode = patch["autoscaling"]["pools"]["decode"]
     assert decode["reason"] == "SLOBreach" and decode["desiredReplicas"] == 3
     assert decode["sloRatio"] == 1.5 and decode["lastScaleTime"] == "2026-11-29T10:00:00Z"
     assert patch["autoscaling"]["metricsAvailable"] is True
-    (cond,) = [c for c in patch["conditions"] if c["type"] == CONDITION]
-    assert (cond["status"], cond["reason"]) == ("True", "MetricsAvailable")
-    assert {"type": "Ready", "status": "True"} in patch["conditions"]  # others sent back as-is
+    (cond,) = patch["conditions"]  # its own condition only: the server merges by type
+    assert (cond["type"], cond["status"], cond["reason"]) == (CONDITION, "True", "MetricsAvailable")
     assert cluster.events == [("Normal", "ScaledUp", cluster.events[0][2])]
     assert "decode 2 -> 3: SLOBreach" in cluster.events[0][2]
     labels = {"namespace": "prod", "service": "chat", "pool": "decode"}
@@ -180,8 +205,8 @@ def test_unreachable_prometheus_holds_and_says_so_once(rig: Any) -> None:
     source.obs = MetricsUnavailable("Prometheus at http://prom:9090 unreachable: refused")
     result = scaler.tick(service())
     assert result is not None and result.hold_reason is not None
-    patch = cluster.status_patches[-1]
-    assert "pools" not in patch  # 2 and 2 stay as they are
+    patch = cluster.status_applies[-1]
+    assert cluster.pool_applies == []  # 2 and 2 stay as they are
     (cond,) = [c for c in patch["conditions"] if c["type"] == CONDITION]
     assert (cond["status"], cond["reason"]) == ("False", "MetricsUnavailable")
     assert "unreachable" in cond["message"]
@@ -191,13 +216,16 @@ def test_unreachable_prometheus_holds_and_says_so_once(rig: Any) -> None:
         _sample(scaler, "splitserve_planner_metrics_available", namespace="prod", service="chat")
         == 0
     )
-    # still down on the next tick: no second warning, and the condition is not re-sent
+    # still down on the next tick: no second warning, and the condition has not flipped
     body = service()
     body["status"]["conditions"] = patch["conditions"]
     clock.t += 30
     scaler.tick(body)
     assert len(cluster.events) == 1
-    assert "conditions" not in cluster.status_patches[-1]
+    assert (
+        cluster.status_applies[-1]["conditions"][0]["lastTransitionTime"]
+        == (cond["lastTransitionTime"])
+    )
     # back: a Normal event and the condition flips
     source.obs = Observation(**CALM)  # type: ignore[arg-type]
     clock.t += 30
@@ -211,7 +239,7 @@ def test_missing_series_hold_with_the_reason(rig: Any) -> None:
     result = scaler.tick(service())
     assert result is not None and not result.plan.metrics_ok
     assert "prompt token rate" in (result.hold_reason or "")
-    assert "pools" not in cluster.status_patches[-1]
+    assert cluster.pool_applies == []
 
 
 def test_nothing_before_the_deployments_exist_or_when_disabled(rig: Any) -> None:
@@ -219,23 +247,28 @@ def test_nothing_before_the_deployments_exist_or_when_disabled(rig: Any) -> None
     assert scaler.tick(service(enabled=False)) is None
     del cluster.deployments["chat-decode"]
     assert scaler.tick(service()) is None
-    assert cluster.status_patches == []
+    assert cluster.status_applies == [] and cluster.pool_applies == []
 
 
-def test_the_operators_status_keeps_the_planners_condition() -> None:
-    ours = {
-        "type": CONDITION,
-        "status": "False",
-        "reason": "MetricsUnavailable",
-        "message": "x",
-        "lastTransitionTime": "2026-11-29T10:00:00Z",
-    }
-    status = compute_status(
-        generation=1,
-        pools={},
-        desired={},
-        problems=[],
-        previous={"conditions": [ours]},
-        now=dt.datetime(2026, 11, 29, tzinfo=dt.UTC),
+def test_a_pool_someone_else_scales_is_reported_not_fought(rig: Any) -> None:
+    scaler, cluster, source, clock = rig
+    cluster.deployment("chat-decode", 4, 4, scaler="kubectl")  # and its 4 pods ready
+    source.obs = Observation(**{**CALM, "tpot_s": 0.075})  # a breach: it would scale up
+    result = scaler.tick(service())
+    assert result is not None
+    assert cluster.pool_applies == []  # kubectl's 4 stays
+    (cond,) = cluster.status_applies[-1]["conditions"]
+    assert (cond["status"], cond["reason"]) == ("False", "ScaledOutside")
+    assert "scaled by kubectl" in cond["message"] and "chat-decode" in cond["message"]
+    assert cluster.status_applies[-1]["autoscaling"]["pools"]["decode"]["reason"] == (
+        "ScaledOutside"
     )
-    assert ours in status["conditions"]
+    assert [e[:2] for e in cluster.events] == [("Warning", "ScaledOutside")]
+    clock.t += 30
+    scaler.tick(service())
+    assert [e[1] for e in cluster.events] == ["ScaledOutside"]  # said once
+    # handed back under the planner's field manager: planned again
+    cluster.scale("chat-decode", 4, PLANNER)
+    clock.t += 30
+    scaler.tick(service())
+    assert cluster.pool_applies and cluster.pool_applies[-1][0] == "chat-decode"

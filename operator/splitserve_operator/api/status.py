@@ -4,14 +4,21 @@
 - ``conditions``: ``Ready``, ``Progressing``, ``Degraded``, each with a reason,
   a message and a ``lastTransitionTime`` that moves only when the status flips.
 - ``pools.<pool>``: ``replicas`` (the Deployment's ``spec.replicas``),
-  ``readyReplicas``, ``updatedReplicas`` and ``desiredReplicas`` (the target;
-  the planner's field while autoscaling is on, see ``render/replicas.py``).
+  ``readyReplicas``, ``updatedReplicas`` and ``desiredReplicas`` (observed: the pool's
+  WorkerPool ``spec.replicas``, which is where a pool is scaled; see ``render/replicas.py``).
 - ``url``: the router Service's address inside the cluster.
 - ``warnings``: deprecated spec fields in use, each with what to write instead;
   absent when there are none.
 
 Every condition carries ``type``, ``status``, ``reason``, ``message``,
 ``lastTransitionTime`` and ``observedGeneration`` (the CRD requires them all).
+
+What this module builds is the reconciler's part of the status only, applied under the
+operator's own field manager: ``conditions`` is a list-map keyed by ``type`` in the CRD,
+so the API server merges each writer's conditions by type (the planner applies its
+``ScalingActive`` beside these), and nobody's update is lost to a stale read. A field
+left out of what the reconciler applies (``warnings`` once the spec has none) is removed
+by the server, as the reconciler owned it.
 """
 
 from __future__ import annotations
@@ -29,14 +36,8 @@ READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 OWN_CONDITIONS = (READY, PROGRESSING, DEGRADED)
-"""The condition types the reconciler writes; others (the planner's ``ScalingActive``)
-are carried over untouched, since a merge patch replaces the whole list."""
-
-
-def _others(previous: Sequence[Any]) -> list[dict[str, Any]]:
-    return [
-        dict(c) for c in previous if isinstance(c, Mapping) and c.get("type") not in OWN_CONDITIONS
-    ]
+"""The condition types the reconciler writes (others, such as the planner's
+``ScalingActive``, are their writers' own)."""
 
 
 class Reason(StrEnum):
@@ -156,11 +157,10 @@ def compute_status(
     url: str | None = None,
     warnings: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """The full status for a reconcile that got as far as observing the pools.
+    """The reconciler's status for a reconcile that got as far as observing the pools.
 
-    ``desired``: the ``desiredReplicas`` to write per pool; pools missing from it
-    keep the value they have (the planner's, while autoscaling is on). ``url``: the
-    router's in-cluster URL; ``warnings``: the deprecations in the spec.
+    ``desired``: each pool's target (``desiredReplicas``); a pool missing from it has none.
+    ``url``: the router's in-cluster URL; ``warnings``: the deprecations in the spec.
     """
     previous = as_map(previous)
     old_conditions = previous.get("conditions")
@@ -194,13 +194,9 @@ def compute_status(
     else:
         ready = (False, Reason.POOLS_NOT_READY.value, summary)
 
-    # Conditions of other writers (the planner's ScalingActive) are kept as they are.
     conditions = [
-        *(
-            condition(t, s, r, m, generation=generation, now=now, previous=old_conditions)
-            for t, (s, r, m) in ((READY, ready), (PROGRESSING, progressing), (DEGRADED, degraded))
-        ),
-        *_others(old_conditions),
+        condition(t, s, r, m, generation=generation, now=now, previous=old_conditions)
+        for t, (s, r, m) in ((READY, ready), (PROGRESSING, progressing), (DEGRADED, degraded))
     ]
     pool_status: dict[str, Any] = {}
     for pool in Pool:
@@ -216,7 +212,8 @@ def compute_status(
     out = {"observedGeneration": generation, "conditions": conditions, "pools": pool_status}
     if url is not None:
         out["url"] = url
-    out["warnings"] = list(warnings) or None  # None: a patch removes old warnings
+    if warnings:
+        out["warnings"] = list(warnings)
     return out
 
 
@@ -228,8 +225,9 @@ def invalid_status(
     now: datetime,
     warnings: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Status for a spec that cannot be served: what to fix, nothing else touched (but
-    the deprecation ``warnings``, which may explain it)."""
+    """Status for a spec that cannot be served: what to fix, and the deprecation
+    ``warnings`` (which may explain it); the pools and the URL as last reported (they
+    still run what the last valid spec asked for)."""
     previous = as_map(previous)
     old_conditions = previous.get("conditions")
     old_conditions = old_conditions if isinstance(old_conditions, list) else []
@@ -263,34 +261,12 @@ def invalid_status(
             now=now,
             previous=old_conditions,
         ),
-        *_others(old_conditions),
     ]
-    return {
-        "observedGeneration": generation,
-        "conditions": conditions,
-        "warnings": list(warnings) or None,
-    }
-
-
-def status_patch(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The merge patch for ``.status`` (None when nothing changed).
-
-    ``conditions`` is replaced whole; ``pools`` entries merge, so fields this
-    status does not set (the planner's ``desiredReplicas``) are kept.
-    """
-    old = as_map(old)
-    patch: dict[str, Any] = {}
-    for key, value in new.items():
-        if key == "pools" and isinstance(old.get("pools"), Mapping):
-            sub: dict[str, Any] = {}
-            for pool, entry in value.items():
-                have = old["pools"].get(pool)
-                have = as_map(have)
-                changed = {k: v for k, v in entry.items() if have.get(k) != v}
-                if changed:
-                    sub[pool] = changed
-            if sub:
-                patch["pools"] = sub
-        elif old.get(key) != value:
-            patch[key] = value
-    return patch or None
+    out: dict[str, Any] = {"observedGeneration": generation, "conditions": conditions}
+    if isinstance(previous.get("pools"), Mapping):
+        out["pools"] = dict(previous["pools"])
+    if isinstance(previous.get("url"), str):
+        out["url"] = previous["url"]
+    if warnings:
+        out["warnings"] = list(warnings)
+    return out

@@ -96,18 +96,26 @@ _QUANTITY_SUFFIX = {
 }
 
 
-def quantity_bytes(quantity: int | str) -> int:
-    """A Kubernetes quantity (``8Gi``, ``500M``, ``1e9``, ``4096``) as a whole number,
-    rounded up as Kubernetes rounds memory. Raises ValueError when it is not one."""
+def quantity_value(quantity: int | str) -> Decimal:
+    """A Kubernetes quantity (``8Gi``, ``500m``, ``1e9``, ``4096``) as its exact value, so
+    that two spellings of one amount compare equal (the API server stores the canonical
+    one: ``1024Mi`` comes back as ``1Gi``, ``1`` as ``"1"``). Raises ValueError when it is
+    not one."""
     if isinstance(quantity, bool):
         raise ValueError(f"{quantity!r} is not a quantity such as 4Gi")
     if isinstance(quantity, int):
-        return quantity
-    if not QUANTITY_PATTERN.match(quantity):
+        return Decimal(quantity)
+    if not isinstance(quantity, str) or not QUANTITY_PATTERN.match(quantity):
         raise ValueError(f"{quantity!r} is not a quantity such as 4Gi")
     number = quantity.rstrip("KMGTPEikmun")
     suffix = quantity[len(number) :]
-    return math.ceil(Decimal(number) * Decimal(_QUANTITY_SUFFIX[suffix]))
+    return Decimal(number) * Decimal(_QUANTITY_SUFFIX[suffix])
+
+
+def quantity_bytes(quantity: int | str) -> int:
+    """A Kubernetes quantity as a whole number, rounded up as Kubernetes rounds memory.
+    Raises ValueError when it is not one."""
+    return math.ceil(quantity_value(quantity))
 
 
 class Pool(StrEnum):

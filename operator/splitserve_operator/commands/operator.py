@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import socket
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from splitserve_operator.control.autoscaling.config import AutoscaleConfig
-from splitserve_operator.control.config import OperatorConfig
+from splitserve_operator.control.config import LeaseConfig, OperatorConfig
 
 if TYPE_CHECKING:
     from splitserve_operator.control.prometheus import PrometheusAuth
@@ -85,6 +87,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="PEM CA bundle that signs the certificate of --prometheus-auth-url",
     )
+    p.add_argument(
+        "--leader-election",
+        action="store_true",
+        help="run as one of several replicas: act only while holding a Lease",
+    )
+    p.add_argument(
+        "--lease-namespace",
+        default=os.environ.get("POD_NAMESPACE"),
+        help="namespace of the Lease (default: $POD_NAMESPACE, the operator's own)",
+    )
+    p.add_argument("--lease-name", default="splitserve-operator", help="name of the Lease")
+    p.add_argument(
+        "--identity",
+        default=os.environ.get("POD_NAME") or socket.gethostname(),
+        help="this replica's name in the Lease (default: $POD_NAME, else the host name)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -119,6 +137,16 @@ def prometheus_auth(args: argparse.Namespace) -> PrometheusAuth | None:
 def config_from(args: argparse.Namespace) -> OperatorConfig:
     if args.workers < 1:
         raise SystemExit("--workers must be at least 1")
+    lease = None
+    if args.leader_election:
+        if not args.lease_namespace:
+            raise SystemExit(
+                "--leader-election needs the Lease's namespace: pass --lease-namespace or set "
+                "POD_NAMESPACE (the chart sets it from the pod's own namespace)"
+            )
+        lease = LeaseConfig(
+            namespace=args.lease_namespace, name=args.lease_name, identity=args.identity
+        )
     return OperatorConfig(
         namespaces=tuple(args.namespaces),
         router_cluster_role=args.router_cluster_role,
@@ -130,6 +158,7 @@ def config_from(args: argparse.Namespace) -> OperatorConfig:
         autoscale=AutoscaleConfig(
             metrics_port=args.metrics_port, prometheus_auth=prometheus_auth(args)
         ),
+        leader_election=lease,
     )
 
 
@@ -145,10 +174,9 @@ def run(args: argparse.Namespace) -> int:
     configuration = load_configuration(args.kubeconfig, args.context)
     operator = runtime.build(config, configuration)
     try:
-        asyncio.run(runtime.serve(operator))
+        return asyncio.run(runtime.serve(operator))
     except KeyboardInterrupt:
         return 0
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

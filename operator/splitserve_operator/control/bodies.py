@@ -1,15 +1,13 @@
 """What one reconcile reads from API bodies, defensively: an object's controller, its
-labels, a Deployment's replica count, the planner's recorded target and the Degraded
-condition, whatever the body holds (see :mod:`splitserve_operator.api.fields`)."""
+labels and the Degraded condition, whatever the body holds (see
+:mod:`splitserve_operator.api.fields`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from splitserve_operator.api.fields import as_int, as_map
-from splitserve_operator.api.values import Pool
-from splitserve_operator.render.names import ServiceRef
+from splitserve_operator.api.fields import as_map
 
 
 def controller_uid(obj: Mapping[str, Any]) -> str | None:
@@ -23,17 +21,6 @@ def controller_uid(obj: Mapping[str, Any]) -> str | None:
 def label_of(obj: Mapping[str, Any], key: str) -> str | None:
     value = as_map(as_map(obj.get("metadata")).get("labels")).get(key)
     return str(value) if value is not None else None
-
-
-def planned_replicas(body: Mapping[str, Any], pool: Pool) -> int | None:
-    pools = as_map(as_map(body.get("status")).get("pools"))
-    return as_int(as_map(pools.get(pool.value)).get("desiredReplicas"))
-
-
-def live_replicas(deployment: Mapping[str, Any] | None, ref: ServiceRef) -> int | None:
-    if not deployment or controller_uid(deployment) != ref.uid:
-        return None
-    return as_int(as_map(deployment.get("spec")).get("replicas"))
 
 
 def degraded_condition(status: Mapping[str, Any]) -> tuple[object, object, object]:

@@ -15,6 +15,10 @@ from splitserve_operator.api.fields import as_map
 from splitserve_operator.control.serializer import Key, key_of
 
 
+def _version(body: Mapping[str, Any]) -> object:
+    return as_map(body.get("metadata")).get("resourceVersion")
+
+
 def _uid(body: Mapping[str, Any]) -> str:
     return str(as_map(body.get("metadata")).get("uid") or "")
 
@@ -36,6 +40,20 @@ class ServiceCache:
                 self._bodies[key] = copy.deepcopy(dict(body))
                 self._gone.pop(key, None)
         return key
+
+    def refresh(self, body: Mapping[str, Any], *, since: object) -> bool:
+        """Replace the cached body with ``body`` (the answer to the operator's own write)
+        if the cache still holds version ``since``, the one that write started from: a
+        newer body the watch brought meanwhile wins. kopf holds an object's events back
+        while one of its change handlers runs, so without this a reconcile that runs
+        again at once would start from the body before its own status write."""
+        key = key_of(body)
+        with self._lock:
+            current = self._bodies.get(key)
+            if current is None or _version(current) != since:
+                return False
+            self._bodies[key] = copy.deepcopy(dict(body))
+            return True
 
     def deleted(self, body: Mapping[str, Any]) -> bool:
         """Whether the watch saw this very object (its uid) deleted, and nothing of its

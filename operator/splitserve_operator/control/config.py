@@ -7,9 +7,39 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from splitserve_operator.control.autoscaling.config import AutoscaleConfig
+from splitserve_operator.render.names import LABEL_MANAGED_BY, MANAGED_BY
 
 if TYPE_CHECKING:
     import kopf
+
+
+@dataclass(frozen=True)
+class LeaseConfig:
+    """Leader election on a Lease (see :mod:`.leader`); the defaults are client-go's."""
+
+    namespace: str
+    """Where the Lease lives: the operator's own namespace."""
+    identity: str
+    """This replica (its pod name); recorded as ``holderIdentity``."""
+    name: str = "splitserve-operator"
+    duration_s: float = 15.0
+    """Seconds (s) a standby waits on an unchanged lease before taking it."""
+    renew_deadline_s: float = 10.0
+    """Seconds (s) the leader keeps acting without a successful renewal."""
+    retry_period_s: float = 2.0
+    """Seconds (s) between attempts to take or renew the lease."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.retry_period_s < self.renew_deadline_s < self.duration_s:
+            raise ValueError(
+                "leader election needs 0 < retry period < renew deadline < lease duration "
+                f"(got {self.retry_period_s}, {self.renew_deadline_s}, {self.duration_s})"
+            )
+
+
+DEPLOYMENT_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+"""The label selector on the Deployment watch: the API server sends only the operator's
+own Deployments, not every Deployment of the cluster."""
 
 
 @dataclass
@@ -35,14 +65,24 @@ class OperatorConfig:
     request_timeout: float = 30.0
     """Seconds (s) one API call may take before it counts as failed and is retried."""
 
-    retry_delay: float = 5.0
-    """Seconds (s) before a reconcile that failed on a transient API error runs again."""
+    retry_base_seconds: float = 1.0
+    """Seconds (s) before the first retry of a reconcile that failed on a transient API
+    error (no answer, 409, 429, 5xx); each further retry waits twice as long, with jitter,
+    and at least the server's ``Retry-After``."""
+
+    retry_max_seconds: float = 300.0
+    """Seconds (s) no retry waits longer than (the resync also catches up by then)."""
+
+    leader_election: LeaseConfig | None = None
+    """Elect one active replica through a Lease (what the chart's two replicas do); None:
+    this process acts at once, alone (a single replica, a local run)."""
 
     watch_timeout: float | None = 300.0
     """Seconds (s) a watch request stays open before kopf reopens it; None: forever."""
 
     liveness_endpoint: str | None = None
-    """``http://0.0.0.0:8080/healthz`` serves kopf's liveness probe; None: no endpoint."""
+    """``http://0.0.0.0:8080/healthz`` serves the liveness probe, on a standby too (see
+    :mod:`.health`); None: no endpoint."""
 
     record_events: bool = True
     """Record Kubernetes Events (created, drift repaired, invalid spec) on the resource."""
@@ -85,4 +125,7 @@ class OperatorConfig:
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=self.annotation_prefix, key="last-handled-configuration"
         )
+        # Server-side filtering: kopf's `labels=` on a handler filters after the API server
+        # sent everything; a label selector on the watch itself makes the server filter.
+        settings.watching.label_selectors[("apps", "deployments")] = DEPLOYMENT_SELECTOR
         return settings

@@ -2,13 +2,21 @@
 
 Built into a fresh :class:`kopf.OperatorRegistry` per operator instance (no global
 registry), so tests and the bench can run several operators in one process.
+
+No handler here needs a finalizer (no timers, daemons or deletion handlers: children go
+with their owner through the garbage collector), so kopf puts none on InferenceServices
+and removes the one an older operator version may have left: deleting an
+InferenceService never waits for the operator.
+
+The first startup handler is the leadership gate: kopf starts no watch and no handler
+until it returns, which it does once this replica holds the lease.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import kopf
@@ -16,9 +24,10 @@ import kubernetes.client
 
 from splitserve_operator.api.fields import as_map
 from splitserve_operator.api.values import GROUP
+from splitserve_operator.control.backoff import Backoff
 from splitserve_operator.control.controller import Controller
 from splitserve_operator.control.outcome import RetryLater
-from splitserve_operator.render.names import LABEL_MANAGED_BY, MANAGED_BY, PLURAL, VERSION
+from splitserve_operator.render.names import PLURAL, POOL_PLURAL, VERSION
 
 
 def connection_info(configuration: kubernetes.client.Configuration) -> kopf.ConnectionInfo:
@@ -52,37 +61,63 @@ def _raw(event: Mapping[str, Any]) -> Mapping[str, Any]:
     return as_map(event.get("object"))
 
 
-def build_registry(controller: Controller) -> kopf.OperatorRegistry:
+def build_registry(
+    controller: Controller,
+    *,
+    lead: Callable[[], bool] = lambda: True,
+    step_down: Callable[[], None] = lambda: None,
+    backoff: Backoff | None = None,
+) -> kopf.OperatorRegistry:
+    """``lead``: blocks until this replica may act (False: it is stopping); ``step_down``:
+    stops what ``lead`` started, when kopf stops."""
     registry = kopf.OperatorRegistry()
     services = {"group": GROUP, "version": VERSION, "plural": PLURAL, "registry": registry}
+    retries = backoff or controller.backoff
+
+    @kopf.on.startup(registry=registry)
+    async def take_the_lead(**_: Any) -> None:
+        if not await asyncio.to_thread(lead):
+            raise kopf.PermanentError("stopping before this replica became the leader")
+
+    @kopf.on.cleanup(registry=registry)
+    def stand_down(**_: Any) -> None:
+        step_down()
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
         return connection_info(controller.client.configuration)
 
-    # The two event handlers run on kopf's loop (no thread hop per event): their common
-    # path is a cache update and a comparison; only a needed reconcile goes to a thread.
+    # The event handlers run on kopf's loop (no thread hop per event): their common path
+    # is a cache update or a comparison; only a needed reconcile goes to a thread.
 
     @kopf.on.event(**services)  # type: ignore[arg-type]
     async def service_event(event: Mapping[str, Any], **_: Any) -> None:
-        key = controller.observe_service(event.get("type"), _raw(event))
-        if key is not None:
-            await asyncio.get_running_loop().run_in_executor(None, controller.nudge, key)
+        controller.observe_service(event.get("type"), _raw(event))
 
     @kopf.on.resume(**services)  # type: ignore[arg-type]
     @kopf.on.create(**services)  # type: ignore[arg-type]
     @kopf.on.update(**services)  # type: ignore[arg-type]
-    def reconcile(body: kopf.Body, **_: Any) -> None:
+    def reconcile(body: kopf.Body, retry: int, **_: Any) -> None:
         try:
             controller.reconcile(_plain(body))
         except RetryLater as exc:
-            raise kopf.TemporaryError(str(exc), delay=exc.delay) from exc
+            delay = retries.delay(retry, retry_after=exc.retry_after)
+            raise kopf.TemporaryError(str(exc), delay=delay) from exc
 
-    @kopf.on.event(  # type: ignore[arg-type]
-        "apps", "v1", "deployments", labels={LABEL_MANAGED_BY: MANAGED_BY}, registry=registry
-    )
+    # Only the operator's Deployments reach this handler: the watch carries a label
+    # selector (settings.watching.label_selectors, see OperatorConfig.kopf_settings), so
+    # the API server filters, not kopf.
+    @kopf.on.event("apps", "v1", "deployments", registry=registry)  # type: ignore[arg-type]
     async def deployment_event(event: Mapping[str, Any], **_: Any) -> None:
         triaged = controller.triage_deployment(event.get("type"), _raw(event))
+        if triaged is not None:
+            await asyncio.get_running_loop().run_in_executor(
+                None, controller.follow_up, event.get("type"), *triaged
+            )
+
+    @kopf.on.event(GROUP, VERSION, POOL_PLURAL, registry=registry)  # type: ignore[arg-type]
+    async def pool_event(event: Mapping[str, Any], **_: Any) -> None:
+        triaged = controller.triage_pool(event.get("type"), _raw(event))
         if triaged is not None:
             await asyncio.get_running_loop().run_in_executor(
                 None, controller.follow_up, event.get("type"), *triaged

@@ -4,17 +4,24 @@ Built on the official ``kubernetes`` client's transport (its configuration,
 TLS, auth and connection pool), with plain dicts in and out: the operator
 works on manifests, and skipping the client's model classes keeps it fast.
 
+Objects are written with server-side apply (:meth:`KubeClient.apply`: ``PATCH`` with
+``application/apply-patch+yaml``, a ``fieldManager`` and ``force``), each writer under a
+field manager of its own: :data:`FIELD_MANAGER` for the reconciler, :data:`PLANNER` for
+the autoscaling loop.
+
 Reconcile and the autoscaling loop both reach the API through :class:`Cluster`, the
 part of :class:`KubeClient` they use (unit tests hand them fakes).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime as dt
 import json
 import logging
 import secrets
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -24,12 +31,27 @@ import kubernetes.config
 from kubernetes.client.exceptions import ApiException
 
 from splitserve_operator.api.fields import timestamp
-from splitserve_operator.render.names import API_VERSION, KIND, MANAGED_BY, PLURAL
+from splitserve_operator.render.names import (
+    API_VERSION,
+    KIND,
+    MANAGED_BY,
+    PLURAL,
+    POOL_KIND,
+    POOL_PLURAL,
+)
 
 log = logging.getLogger(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"
+"""Server-side apply (a JSON body is valid YAML)."""
+
+FIELD_MANAGER = MANAGED_BY
+"""The reconciler's field manager: every child object, the status it reports."""
+PLANNER = "splitserve-planner"
+"""The autoscaling loop's field manager: a pool's replicas while autoscaling is on, the
+planner's status and condition."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +81,7 @@ KINDS: dict[tuple[str, str], Kind] = {
     (k.api_version, k.kind): k
     for k in (
         Kind(API_VERSION, KIND, PLURAL),
+        Kind(API_VERSION, POOL_KIND, POOL_PLURAL),
         Kind("apps/v1", "Deployment", "deployments"),
         Kind("v1", "Service", "services"),
         Kind("v1", "ConfigMap", "configmaps"),
@@ -69,10 +92,13 @@ KINDS: dict[tuple[str, str], Kind] = {
         Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
         Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
         Kind("gateway.networking.k8s.io/v1", "HTTPRoute", "httproutes"),
+        Kind("coordination.k8s.io/v1", "Lease", "leases"),
     )
 }
 INFERENCE_SERVICE = KINDS[(API_VERSION, KIND)]
+WORKER_POOL = KINDS[(API_VERSION, POOL_KIND)]
 DEPLOYMENT = KINDS[("apps/v1", "Deployment")]
+LEASE = KINDS[("coordination.k8s.io/v1", "Lease")]
 
 
 def kind_of(manifest: Mapping[str, Any]) -> Kind:
@@ -86,10 +112,14 @@ def kind_of(manifest: Mapping[str, Any]) -> Kind:
 class ApiError(Exception):
     """The API server refused a call (``status`` is its HTTP code; 0: no answer)."""
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(
+        self, status: int, reason: str, message: str, retry_after: float | None = None
+    ) -> None:
         self.status = status
         self.reason = reason
         self.message = message
+        self.retry_after = retry_after
+        """Seconds the server asked the client to wait (``Retry-After``, on 429 or 503)."""
         super().__init__(f"{status} {reason}: {message}")
 
     @property
@@ -106,6 +136,11 @@ class AlreadyExists(ApiError):
     pass
 
 
+class Conflict(ApiError):
+    """409 on a write: a stale ``resourceVersion``, or an apply that would change fields
+    another field manager owns."""
+
+
 class Forbidden(ApiError):
     pass
 
@@ -114,7 +149,17 @@ class Invalid(ApiError):
     """422: the server rejected the object (bad field values)."""
 
 
-def _error(status: int, body: bytes | str | None) -> ApiError:
+def _retry_after(headers: Mapping[str, str] | None) -> float | None:
+    value = (headers or {}).get("Retry-After")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _error(
+    status: int, body: bytes | str | None, headers: Mapping[str, str] | None = None
+) -> ApiError:
     text = body.decode(errors="replace") if isinstance(body, bytes) else (body or "")
     reason, message = "", text[:500]
     try:
@@ -128,12 +173,21 @@ def _error(status: int, body: bytes | str | None) -> ApiError:
     if status == 404:
         cls = NotFound
     elif status == 409:
-        cls = AlreadyExists if reason in ("AlreadyExists", "Object Already Exists") else ApiError
+        cls = AlreadyExists if reason in ("AlreadyExists", "Object Already Exists") else Conflict
     elif status == 403:
         cls = Forbidden
     elif status == 422:
         cls = Invalid
-    return cls(status, reason, message)
+    return cls(status, reason, message, _retry_after(headers))
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What a server-side apply answered."""
+
+    obj: dict[str, Any]
+    created: bool
+    """201: the apply made the object."""
 
 
 class Cluster(Protocol):
@@ -152,6 +206,14 @@ class Cluster(Protocol):
         subresource: str | None = None,
         content_type: str = MERGE_PATCH,
     ) -> dict[str, Any]: ...
+    def apply(
+        self,
+        manifest: Mapping[str, Any],
+        *,
+        field_manager: str,
+        force: bool = True,
+        subresource: str | None = None,
+    ) -> Applied: ...
     def event(self, involved: Mapping[str, Any], type_: str, reason: str, message: str) -> None: ...
 
 
@@ -171,6 +233,9 @@ class KubeClient:
         self.api.user_agent = user_agent
         self.timeout = timeout
         self.component = component
+        self.calls: collections.Counter[str] = collections.Counter()
+        """Requests sent, by HTTP method (what a reconcile costs the API server)."""
+        self._calls_lock = threading.Lock()
 
     def close(self) -> None:
         self.api.close()
@@ -184,6 +249,20 @@ class KubeClient:
         content_type: str = "application/json",
         query: list[tuple[str, str]] | None = None,
     ) -> dict[str, Any]:
+        return self._call(method, path, body=body, content_type=content_type, query=query)[0]
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        content_type: str = "application/json",
+        query: list[tuple[str, str]] | None = None,
+    ) -> tuple[dict[str, Any], int]:
+        """The answer's body and HTTP status."""
+        with self._calls_lock:
+            self.calls[method] += 1
         headers = {"Accept": "application/json", "Content-Type": content_type}
         try:
             _method, url, headers, body, _post = self.api.param_serialize(
@@ -199,7 +278,7 @@ class KubeClient:
             )
             response.read()
         except ApiException as exc:
-            raise _error(exc.status or 0, exc.body) from exc
+            raise _error(exc.status or 0, exc.body, exc.headers) from exc
         except OSError as exc:  # connection refused/reset, timeouts (urllib3 errors are OSError)
             raise ApiError(0, type(exc).__name__, str(exc)) from exc
         except Exception as exc:
@@ -208,11 +287,11 @@ class KubeClient:
                 raise ApiError(0, type(exc).__name__, str(exc)) from exc
             raise
         if not 200 <= response.status <= 299:
-            raise _error(response.status, response.data)
+            raise _error(response.status, response.data, response.getheaders())
         if not response.data:
-            return {}
+            return {}, response.status
         doc = json.loads(response.data)
-        return doc if isinstance(doc, dict) else {}
+        return (doc if isinstance(doc, dict) else {}), response.status
 
     def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -245,6 +324,26 @@ class KubeClient:
         return self.request(
             "PATCH", kind.path(namespace, name, subresource), body=patch, content_type=content_type
         )
+
+    def apply(
+        self,
+        manifest: Mapping[str, Any],
+        *,
+        field_manager: str,
+        force: bool = True,
+        subresource: str | None = None,
+    ) -> Applied:
+        """Server-side apply of ``manifest`` (creating it when absent) as
+        ``field_manager``; ``force`` takes fields another manager owns instead of failing
+        with :class:`Conflict`."""
+        kind = kind_of(manifest)
+        meta = manifest.get("metadata") or {}
+        path = kind.path(str(meta.get("namespace") or ""), str(meta.get("name")), subresource)
+        query = [("fieldManager", field_manager)] + ([("force", "true")] if force else [])
+        obj, status = self._call(
+            "PATCH", path, body=dict(manifest), content_type=APPLY_PATCH, query=query
+        )
+        return Applied(obj, created=status == 201)
 
     def delete(self, kind: Kind, namespace: str, name: str) -> None:
         with contextlib.suppress(NotFound):

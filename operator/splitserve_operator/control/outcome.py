@@ -11,11 +11,13 @@ from splitserve_operator.api.status import Problem
 
 
 class RetryLater(Exception):
-    """A transient failure (API unreachable, throttled, 5xx): try again after ``delay`` s."""
+    """A transient failure (API unreachable, a conflict, throttled, 5xx): try again, after a
+    backoff (:class:`~.backoff.Backoff`) of at least ``retry_after`` s when the server
+    asked for one."""
 
-    def __init__(self, message: str, delay: float = 5.0) -> None:
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
-        self.delay = delay
+        self.retry_after = retry_after
 
 
 class Action(StrEnum):
@@ -32,6 +34,8 @@ class Outcome:
     actions: dict[str, Action] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
     status: dict[str, Any] | None = None
+    service: dict[str, Any] | None = None
+    """The InferenceService as the status write answered (None: no status written)."""
     skipped: str | None = None
 
     @property

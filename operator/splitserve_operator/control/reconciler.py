@@ -4,11 +4,21 @@ No kopf here: the handlers (:mod:`.handlers`) call :meth:`Reconciler.reconcile`
 and turn :class:`~.outcome.RetryLater` into kopf's ``TemporaryError``. All API calls
 go through a :class:`~.k8s.Cluster`.
 
-Idempotent: objects are created when absent and patched only when they drift
-from what render wants (three-way merge, see :mod:`.merge`); the status is
-patched only when it changes. Reconciles of one object never overlap: a
-trigger that arrives while one runs makes it run once more (:class:`~.serializer.Serializer`,
-used by the :class:`~.controller.Controller`).
+Every child is written with server-side apply under the operator's field manager
+(:data:`~.k8s.FIELD_MANAGER`), with ``force`` where it owns the field: the API server
+merges, keeps what other writers set, and removes what the operator stopped asking for.
+A child is applied only when :func:`~.ownership.needs_apply` says the apply would change
+it (what the operator owns of it differs from what render wants, or another writer took
+one of its fields), so an unchanged service costs reads only. The first reconcile applies
+without ``force``: an object of the same name made by someone else then conflicts
+instead of being taken over. The status is applied the same way on the status
+subresource, holding only the reconciler's own conditions.
+
+The token Secret is the one exception: created once (the operator may not read
+Secrets), again only while a pool is not fully ready (a pod may be waiting for it).
+
+Reconciles of one object never overlap: a trigger that arrives while one runs makes it
+run once more (:class:`~.serializer.Serializer`, used by the :class:`~.controller.Controller`).
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from splitserve_operator.api.deprecations import deprecations
-from splitserve_operator.api.fields import as_map
+from splitserve_operator.api.fields import as_int, as_map, count
 from splitserve_operator.api.models import InferenceServiceSpec
 from splitserve_operator.api.parse import SpecError, parse_spec
 from splitserve_operator.api.status import (
@@ -29,45 +39,66 @@ from splitserve_operator.api.status import (
     Reason,
     compute_status,
     invalid_status,
-    status_patch,
 )
-from splitserve_operator.api.values import Pool
-from splitserve_operator.control import merge
-from splitserve_operator.control.bodies import (
-    controller_uid,
-    degraded_condition,
-    label_of,
-    live_replicas,
-    planned_replicas,
-)
+from splitserve_operator.api.values import WORKER_POOLS, Pool
+from splitserve_operator.control.bodies import controller_uid, degraded_condition, label_of
 from splitserve_operator.control.k8s import (
     DEPLOYMENT,
-    INFERENCE_SERVICE,
+    FIELD_MANAGER,
+    JSON_PATCH,
+    WORKER_POOL,
     AlreadyExists,
     ApiError,
     Cluster,
+    Conflict,
     Forbidden,
     Invalid,
     NotFound,
     kind_of,
 )
 from splitserve_operator.control.outcome import Action, NameConflict, Outcome, RetryLater
-from splitserve_operator.control.serializer import key_of
+from splitserve_operator.control.ownership import needs_apply, owners, upgrade_patch
 from splitserve_operator.render.manifests import Desired, RenderInputs, render
 from splitserve_operator.render.names import (
+    ANNOTATION_REQUESTED_REPLICAS,
+    API_VERSION,
+    KIND,
     LABEL_INSTANCE,
     LABEL_MANAGED_BY,
     MANAGED_BY,
     ServiceRef,
 )
-from splitserve_operator.render.replicas import owns_desired_replicas, plan_replicas
+from splitserve_operator.render.pools import worker_pool_status
+from splitserve_operator.render.replicas import PoolTarget, deployment_replicas, pool_target
 from splitserve_operator.render.routes import router_url
 
 log = logging.getLogger(__name__)
 
+REPLICAS_FIELD = ("spec", "replicas")
+
 
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
+
+
+def _target(
+    spec: InferenceServiceSpec, pool: Pool, live: Mapping[str, Any] | None, manager: str
+) -> PoolTarget:
+    meta = as_map((live or {}).get("metadata"))
+    recorded = as_map(meta.get("annotations")).get(ANNOTATION_REQUESTED_REPLICAS)
+    return pool_target(
+        spec,
+        pool,
+        exists=live is not None,
+        live=as_int(as_map((live or {}).get("spec")).get("replicas")),
+        recorded=int(recorded) if isinstance(recorded, str) and recorded.isdigit() else None,
+        ours=live is not None and manager in owners(live, REPLICAS_FIELD),
+    )
+
+
+def _fully_ready(deployment: Mapping[str, Any] | None) -> bool:
+    obs = PoolObservation.from_deployment(deployment)
+    return obs is not None and obs.ready >= obs.replicas
 
 
 class Reconciler:
@@ -81,14 +112,14 @@ class Reconciler:
         clock: Callable[[], dt.datetime] = _now,
         token_factory: Callable[[], str] = lambda: secrets.token_urlsafe(32),
         record_events: bool = True,
-        retry_delay: float = 5.0,
+        field_manager: str = FIELD_MANAGER,
     ) -> None:
         self.cluster = cluster
-        self.retry_delay = retry_delay
         self.router_cluster_role = router_cluster_role
         self.clock = clock
         self.token_factory = token_factory
         self.record_events = record_events
+        self.field_manager = field_manager
 
     # -- entry point -------------------------------------------------------------------
 
@@ -96,24 +127,23 @@ class Reconciler:
         meta = as_map(body.get("metadata"))
         if meta.get("deletionTimestamp"):
             return Outcome(skipped="being deleted: its objects go with it")
-        generation = meta.get("generation")
-        generation = generation if isinstance(generation, int) else 0
+        generation = count(meta.get("generation"))
         try:
-            spec = parse_spec(body.get("spec"), name=meta.get("name", ""))
-        except SpecError as exc:
-            return self._report_invalid(body, generation, exc.problems)
-        ref = ServiceRef(
-            name=str(meta["name"]),
-            namespace=str(meta.get("namespace") or "default"),
-            uid=str(meta.get("uid") or ""),
-        )
-        fresh = not as_map(body.get("status")).get("observedGeneration")
-        try:
+            try:
+                spec = parse_spec(body.get("spec"), name=meta.get("name", ""))
+            except SpecError as exc:
+                return self._report_invalid(body, generation, exc.problems)
+            ref = ServiceRef(
+                name=str(meta["name"]),
+                namespace=str(meta.get("namespace") or "default"),
+                uid=str(meta.get("uid") or ""),
+            )
+            fresh = not as_map(body.get("status")).get("observedGeneration")
             return self._apply_all(body, ref, spec, generation, fresh)
         except ApiError as exc:
             if exc.transient:
                 raise RetryLater(
-                    f"API call failed, will retry: {exc}", delay=self.retry_delay
+                    f"API call failed, will retry: {exc}", retry_after=exc.retry_after
                 ) from exc
             raise
 
@@ -131,7 +161,8 @@ class Reconciler:
             warnings=deprecations(body.get("spec")),
         )
         outcome = Outcome(problems=[Problem(Reason.INVALID_SPEC, "; ".join(problems))], status=new)
-        changed = self._write_status(body, new, old)
+        outcome.service = self._write_status(body, new)
+        changed = outcome.service is not None
         if changed and self.record_events:
             self.cluster.event(
                 body, "Warning", Reason.INVALID_SPEC.value, "fix the spec: " + "; ".join(problems)
@@ -149,38 +180,50 @@ class Reconciler:
         generation: int,
         fresh: bool,
     ) -> Outcome:
-        # Deployments first: their live replica counts feed the replica plan.
-        live: dict[Pool, dict[str, Any] | None] = {}
+        # The pools and Deployments first: who scales each pool decides their replicas.
+        pools_live: dict[Pool, dict[str, Any] | None] = {}
+        deployments_live: dict[Pool, dict[str, Any] | None] = {}
+        for pool in WORKER_POOLS:
+            pools_live[pool] = (
+                None
+                if fresh
+                else self.cluster.get(WORKER_POOL, ref.namespace, ref.worker_pool(pool))
+            )
         for pool in Pool:
-            live[pool] = (
+            deployments_live[pool] = (
                 None if fresh else self.cluster.get(DEPLOYMENT, ref.namespace, ref.deployment(pool))
             )
+        targets = {
+            pool: _target(spec, pool, pools_live[pool], self.field_manager) for pool in WORKER_POOLS
+        }
         replicas = {
-            pool: plan_replicas(
-                spec,
-                pool,
-                live=live_replicas(live[pool], ref),
-                planned=planned_replicas(body, pool),
-            )
+            pool: deployment_replicas(spec, pool, targets[pool].target if pool in targets else None)
             for pool in Pool
         }
         inputs = RenderInputs(
             replicas=replicas,
             token=self.token_factory(),
             router_cluster_role=self.router_cluster_role,
+            pools=targets,
         )
+        need_secret = fresh or not all(_fully_ready(d) for d in deployments_live.values())
         outcome = Outcome()
         results: dict[str, dict[str, Any] | None] = {}
         for desired in render(ref, spec, inputs):
-            known = (
-                live.get(Pool(desired.name.rsplit("-", 1)[1]))
-                if desired.kind == "Deployment"
-                else None
-            )
             label = f"{desired.kind}/{desired.name}"
+            if desired.create_only and not need_secret:
+                outcome.actions[label] = Action.UNCHANGED
+                continue
+            known_kinds = {"Deployment": deployments_live, "WorkerPool": pools_live}
+            known = None
+            if desired.kind in known_kinds:
+                known = known_kinds[desired.kind].get(Pool(desired.name.rsplit("-", 1)[1]))
             try:
                 action, obj = self._ensure(
-                    desired, ref, known=known, fetch=not fresh and desired.kind != "Deployment"
+                    desired,
+                    ref,
+                    known=known,
+                    fetch=not fresh and desired.kind not in known_kinds,
                 )
             except Forbidden as exc:
                 outcome.actions[label] = Action.FAILED
@@ -220,20 +263,19 @@ class Reconciler:
             outcome.actions[label] = action
             results[label] = obj
 
-        observations = {
-            pool: PoolObservation.from_deployment(results.get(f"Deployment/{ref.deployment(pool)}"))
-            for pool in Pool
-        }
-        desired_field = {
-            pool: replicas[pool]
-            for pool in Pool
-            if owns_desired_replicas(spec, pool) or planned_replicas(body, pool) is None
+        deployments = {pool: results.get(f"Deployment/{ref.deployment(pool)}") for pool in Pool}
+        for pool in WORKER_POOLS:
+            self._pool_status(ref, pool, results.get(f"WorkerPool/{ref.worker_pool(pool)}"),
+                              deployments[pool])  # fmt: skip
+        observations = {pool: PoolObservation.from_deployment(deployments[pool]) for pool in Pool}
+        desired_counts = {
+            pool: targets[pool].target if pool in targets else replicas[pool] for pool in Pool
         }
         old = as_map(body.get("status"))
         new = compute_status(
             generation=generation,
             pools=observations,
-            desired=desired_field,
+            desired=desired_counts,
             problems=outcome.problems,
             previous=old,
             now=self.clock(),
@@ -241,7 +283,7 @@ class Reconciler:
             warnings=deprecations(body.get("spec")),
         )
         outcome.status = new
-        self._write_status(body, new, old)
+        outcome.service = self._write_status(body, new)
         self._record(
             body, outcome, repeat_problems=degraded_condition(new) != degraded_condition(old)
         )
@@ -249,70 +291,117 @@ class Reconciler:
         return outcome
 
     def _ensure(
-        self, desired: Desired, ref: ServiceRef, *, known: dict[str, Any] | None, fetch: bool
+        self,
+        desired: Desired,
+        ref: ServiceRef,
+        *,
+        known: dict[str, Any] | None,
+        fetch: bool,
     ) -> tuple[Action, dict[str, Any] | None]:
         kind = kind_of(desired.manifest)
+        if desired.create_only:
+            try:
+                return Action.CREATED, self.cluster.create(desired.manifest)
+            except AlreadyExists:
+                return Action.UNCHANGED, None
         actual = known
-        if actual is None and fetch and not desired.create_only:
+        if actual is None and fetch:
             actual = self.cluster.get(kind, desired.namespace, desired.name)
         if actual is None and desired.existing_only:
             return Action.UNCHANGED, None
         if actual is None:
-            manifest = (
-                desired.manifest
-                if desired.create_only
-                else merge.with_last_applied(desired.manifest)
-            )
+            # Absent as far as we know: apply without force, so that an object of this
+            # name someone else made conflicts instead of being taken over.
             try:
-                return Action.CREATED, self.cluster.create(manifest)
-            except AlreadyExists as exc:
-                if desired.create_only:
-                    return Action.UNCHANGED, None
+                applied = self.cluster.apply(
+                    desired.manifest, field_manager=self.field_manager, force=False
+                )
+                return (Action.CREATED if applied.created else Action.PATCHED), applied.obj
+            except Conflict:
                 actual = self.cluster.get(kind, desired.namespace, desired.name)
                 if actual is None:  # deleted in between: the next trigger recreates it
                     raise RetryLater(
-                        f"{desired.kind}/{desired.name} vanished while applying",
-                        delay=self.retry_delay,
-                    ) from exc
-        if desired.create_only:
-            return Action.UNCHANGED, actual
-        owner = controller_uid(actual)
-        if owner != ref.uid:
-            adoptable = (
-                owner is None
-                and label_of(actual, LABEL_MANAGED_BY) == MANAGED_BY
-                and label_of(actual, LABEL_INSTANCE) == ref.name
+                        f"{desired.kind}/{desired.name} vanished while applying"
+                    ) from None
+        self._check_ownership(desired, ref, actual)
+        upgrade = upgrade_patch(actual, self.field_manager)
+        if upgrade is not None:  # made by a version that merged: apply from here on
+            actual = self.cluster.patch(
+                kind, desired.namespace, desired.name, upgrade, content_type=JSON_PATCH
             )
-            if not adoptable:
-                raise NameConflict(
-                    f"{desired.kind}/{desired.name} already exists and belongs to "
-                    f"{'another owner' if owner else 'nobody'}; delete or rename it, or rename "
-                    "the InferenceService"
-                )
-        patch = merge.apply_patch(desired.manifest, actual)
-        if not patch:
+        if not needs_apply(desired.manifest, actual, self.field_manager):
             return Action.UNCHANGED, actual
-        patched = self.cluster.patch(kind, desired.namespace, desired.name, patch)
-        return Action.PATCHED, patched or actual
+        applied = self.cluster.apply(desired.manifest, field_manager=self.field_manager, force=True)
+        return Action.PATCHED, applied.obj
+
+    @staticmethod
+    def _check_ownership(desired: Desired, ref: ServiceRef, actual: Mapping[str, Any]) -> None:
+        owner = controller_uid(actual)
+        if owner == ref.uid:
+            return
+        adoptable = (
+            owner is None
+            and label_of(actual, LABEL_MANAGED_BY) == MANAGED_BY
+            and label_of(actual, LABEL_INSTANCE) == ref.name
+        )
+        if not adoptable:
+            raise NameConflict(
+                f"{desired.kind}/{desired.name} already exists and belongs to "
+                f"{'another owner' if owner else 'nobody'}; delete or rename it, or rename "
+                "the InferenceService"
+            )
+
+    def _pool_status(
+        self,
+        ref: ServiceRef,
+        pool: Pool,
+        worker_pool: Mapping[str, Any] | None,
+        deployment: Mapping[str, Any] | None,
+    ) -> None:
+        """Report the Deployment's pods on the WorkerPool (what its scale subresource reads),
+        once the Deployment controller has reported on them."""
+        if worker_pool is None or deployment is None or "status" not in deployment:
+            return
+        if controller_uid(worker_pool) != ref.uid:
+            return
+        status = as_map(deployment.get("status"))
+        manifest = worker_pool_status(
+            ref,
+            pool,
+            generation=count(as_map(worker_pool.get("metadata")).get("generation")),
+            replicas=count(status.get("replicas")),
+            ready=count(status.get("readyReplicas")),
+        )
+        if needs_apply(manifest, worker_pool, self.field_manager, "status"):
+            self.cluster.apply(
+                manifest, field_manager=self.field_manager, force=True, subresource="status"
+            )
 
     # -- status and events -------------------------------------------------------------
 
     def _write_status(
-        self, body: Mapping[str, Any], new: Mapping[str, Any], old: Mapping[str, Any]
-    ) -> bool:
-        patch = status_patch(new, old)
-        if patch is None:
-            return False
-        namespace, name = key_of(body)
+        self, body: Mapping[str, Any], new: Mapping[str, Any]
+    ) -> dict[str, Any] | None:
+        """Apply the reconciler's part of the status when it differs from what it owns;
+        the InferenceService as the write answered, or None when nothing was written."""
+        meta = as_map(body.get("metadata"))
+        manifest = {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace")},
+            "status": dict(new),
+        }
+        if not needs_apply(manifest, body, self.field_manager, "status"):
+            return None
         try:
-            self.cluster.patch(
-                INFERENCE_SERVICE, namespace, name, {"status": patch}, subresource="status"
+            applied = self.cluster.apply(
+                manifest, field_manager=self.field_manager, force=True, subresource="status"
             )
         except ApiError as exc:
             if exc.status == 404:
-                return False  # deleted meanwhile
+                return None  # deleted meanwhile
             raise
-        return True
+        return applied.obj
 
     def _announce_deprecations(
         self, body: Mapping[str, Any], new: Mapping[str, Any], old: Mapping[str, Any]
@@ -337,7 +426,7 @@ class Reconciler:
                 body,
                 "Normal",
                 "Updated",
-                "patched (spec change or drift) " + ", ".join(sorted(outcome.patched)),
+                "applied (spec change or drift) " + ", ".join(sorted(outcome.patched)),
             )
         for problem in outcome.problems if repeat_problems else []:
             self.cluster.event(body, "Warning", problem.reason.value, problem.message)

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve_operator.api.models import InferenceServiceSpec
-from splitserve_operator.api.values import Pool
-from splitserve_operator.render import routes, support, workloads
+from splitserve_operator.api.values import WORKER_POOLS, Pool
+from splitserve_operator.render import pools, routes, support, workloads
 from splitserve_operator.render.names import ServiceRef
+from splitserve_operator.render.replicas import PoolTarget
 
 
 @dataclass(frozen=True)
@@ -45,11 +46,14 @@ class RenderInputs:
     """What render needs besides the spec; chosen by the caller so render stays pure."""
 
     replicas: Mapping[Pool, int]
-    """Per pool, from :func:`splitserve_operator.render.replicas.plan_replicas`."""
+    """Per pool, the Deployment's (see :mod:`splitserve_operator.render.replicas`)."""
     token: str
     """A fresh random token; used only if the Secret does not exist yet."""
     router_cluster_role: str = "splitserve-router"
     """The chart's ClusterRole that lets a router discover its workers."""
+    pools: Mapping[Pool, PoolTarget] = field(default_factory=dict)
+    """Per worker pool, what its WorkerPool gets (``replicas.pool_target``); a pool
+    missing here gets no WorkerPool in the output."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -65,6 +69,18 @@ def render(ref: ServiceRef, spec: InferenceServiceSpec, inputs: RenderInputs) ->
     policy = support.network_policy(ref, spec)
     objects.append(Desired(policy, existing_only=not spec.network_policy.enabled))
     objects += [Desired(workloads.service(ref, spec, pool)) for pool in Pool]
+    objects += [
+        Desired(
+            pools.worker_pool(
+                ref,
+                pool,
+                replicas=inputs.pools[pool].replicas,
+                requested=inputs.pools[pool].requested,
+            )
+        )
+        for pool in WORKER_POOLS
+        if pool in inputs.pools
+    ]
     objects += [
         Desired(
             workloads.deployment(

@@ -10,6 +10,10 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "InferenceService"
 PLURAL = "inferenceservices"
+POOL_KIND = "WorkerPool"
+POOL_PLURAL = "workerpools"
+"""One per worker pool of an InferenceService: its size, with a scale subresource, so
+``kubectl scale``, a HorizontalPodAutoscaler or KEDA can drive the pool."""
 
 MANAGED_BY = "splitserve-operator"
 """Value of ``app.kubernetes.io/managed-by`` on every object the operator makes."""
@@ -20,8 +24,9 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 
-ANNOTATION_LAST_APPLIED = f"{GROUP}/last-applied"
-"""The manifest the operator last applied (JSON), for three-way patches."""
+ANNOTATION_REQUESTED_REPLICAS = f"{GROUP}/requested-replicas"
+"""On a WorkerPool: the InferenceService's ``spec.<pool>.replicas`` the pool last took, so
+that an edit of it is told apart from the pool being scaled by someone else since."""
 ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
 """On pod templates: a hash of the ConfigMap, so that a config change rolls the pods."""
 
@@ -38,6 +43,9 @@ class ServiceRef:
         return f"{self.name}-{pool.value}"
 
     def service(self, pool: Pool) -> str:
+        return f"{self.name}-{pool.value}"
+
+    def worker_pool(self, pool: Pool) -> str:
         return f"{self.name}-{pool.value}"
 
     @property
@@ -67,6 +75,10 @@ class ServiceRef:
     def selector(self, pool: Pool) -> dict[str, str]:
         """The (immutable) Deployment selector of a pool."""
         return {LABEL_INSTANCE: self.name, LABEL_COMPONENT: pool.value}
+
+    def selector_string(self, pool: Pool) -> str:
+        """:meth:`selector` as a label selector string (a scale subresource's)."""
+        return ",".join(f"{k}={v}" for k, v in sorted(self.selector(pool).items()))
 
     def labels(self, component: str | None = None) -> dict[str, str]:
         labels = {

@@ -16,9 +16,10 @@ if TYPE_CHECKING:  # the HTTP client loads only where queries are made
 @dataclass(frozen=True)
 class AutoscaleConfig:
     resolution_s: float = 5.0
-    """Seconds (s) between wake-ups of the kopf timer. Each InferenceService is
-    ticked at its own ``autoscaling.interval`` (at least 5 s), so this
-    only bounds how late a tick can be."""
+    """Seconds (s) between wake-ups of the operator-wide autoscaling loop
+    (:mod:`.schedule`). Each InferenceService is ticked at its own
+    ``autoscaling.interval`` (at least 5 s) on the loop's clock, so this only
+    bounds how late a tick can be."""
 
     window_s: float = 60.0
     """Seconds (s) the PromQL rates and percentiles look back. Four scrapes at

@@ -1,23 +1,25 @@
 """The autoscaling loop: Prometheus in, the planner's decision out to the cluster.
 
-Every ``autoscaling.interval`` (per InferenceService; a kopf timer wakes
+Every ``autoscaling.interval`` (per InferenceService; :mod:`.schedule` wakes
 every ``AutoscaleConfig.resolution_s`` and skips services whose interval has
 not passed) :meth:`Autoscaler.tick`:
 
-1. reads the pools' Deployments (ready replicas) and the planner's last
-   ``status.pools.<pool>.desiredReplicas``;
+1. reads each worker pool's WorkerPool (its ``spec.replicas``, and who wrote it) and
+   Deployment (ready replicas);
 2. asks the :class:`~splitserve_operator.control.prometheus.MetricsSource` for one
    observation (PromQL over Prometheus's HTTP API);
 3. runs the pure planner (:func:`splitserve_operator.planner.core.plan`);
-4. writes the decision where the operator's seam expects it,
-   ``status.pools.<pool>.desiredReplicas`` (the reconciler applies it to the
-   Deployment, clamped to the bounds; see ``render/replicas.py``), with the
-   reasons under ``status.autoscaling`` and the ``ScalingActive`` condition;
+4. applies each changed decision to the pool's WorkerPool ``spec.replicas`` under its
+   own field manager (:data:`~splitserve_operator.control.k8s.PLANNER`; the reconciler
+   then applies it to the Deployment, clamped to the bounds, see ``render/replicas.py``),
+   applies its records under ``status.autoscaling`` and the ``ScalingActive`` condition,
    records an Event on every change, and updates the operator's metrics.
 
 Prometheus unreachable or the series missing: the planner holds, the
 condition ``ScalingActive`` turns False with reason ``MetricsUnavailable``,
-one Warning event says why, and no replica count moves.
+one Warning event says why, and no replica count moves. A pool whose ``spec.replicas``
+another writer has taken (``kubectl scale``, an HPA) is not fought: the planner leaves
+it alone and says so (``ScalingActive`` False, reason ``ScaledOutside``, one Warning).
 """
 
 from __future__ import annotations
@@ -35,18 +37,29 @@ from splitserve.metric_server import MetricsServer, start_metrics_server
 from splitserve_operator.api.fields import as_int, as_map, timestamp
 from splitserve_operator.api.models import InferenceServiceSpec
 from splitserve_operator.api.parse import SpecError, parse_spec
+from splitserve_operator.api.values import Pool
 from splitserve_operator.control.autoscaling.config import AutoscaleConfig
 from splitserve_operator.control.autoscaling.metrics import OperatorMetrics
 from splitserve_operator.control.autoscaling.status import (
     POOLS,
     REASON_ACTIVE,
     REASON_HOLDING,
+    REASON_OUTSIDE,
     event_message,
     event_reason,
     hold_message,
-    status_patch,
+    outside_message,
+    planner_status,
 )
-from splitserve_operator.control.k8s import DEPLOYMENT, INFERENCE_SERVICE, ApiError, Cluster
+from splitserve_operator.control.k8s import (
+    DEPLOYMENT,
+    FIELD_MANAGER,
+    PLANNER,
+    WORKER_POOL,
+    ApiError,
+    Cluster,
+)
+from splitserve_operator.control.ownership import owners
 from splitserve_operator.control.prometheus import (
     MetricsSource,
     MetricsUnavailable,
@@ -56,8 +69,24 @@ from splitserve_operator.control.prometheus import (
 from splitserve_operator.planner.core import plan
 from splitserve_operator.planner.model import Bounds, Plan, PlannerState, PoolStatus, Slo, Tick
 from splitserve_operator.planner.model import Pool as PlannerPool
+from splitserve_operator.render.names import API_VERSION, KIND, POOL_KIND
 
 log = logging.getLogger(__name__)
+
+SCALERS = frozenset({PLANNER, FIELD_MANAGER})
+"""Field managers whose ``spec.replicas`` on a WorkerPool the planner may take over: its
+own, and the operator's seed (the size the pool was made with)."""
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """One worker pool as a tick sees it."""
+
+    status: PoolStatus
+    name: str
+    """The WorkerPool's name."""
+    others: tuple[str, ...]
+    """Field managers other than ours that own its ``spec.replicas``."""
 
 
 @dataclass
@@ -65,6 +94,7 @@ class _Memory:
     state: PlannerState
     last_tick: float
     scaling_active: bool | None = None
+    outside: frozenset[Pool] = frozenset()
     last_scale: dict[str, str] = field(default_factory=dict)
 
 
@@ -172,9 +202,10 @@ class Autoscaler:
         namespace, name, _uid = key = self._key(body)
         now = self._clock()
         self._forget_stale(now)
-        statuses = self._pool_statuses(body, spec, namespace, name)
-        if statuses is None:
-            return None  # Deployments not created yet: the reconciler is still at work
+        views = self._pools(spec, namespace, name)
+        if views is None:
+            return None  # pools not created yet: the reconciler is still at work
+        statuses = {p: v.status for p, v in views.items()}
         slo = Slo(
             ttft_s=float(spec.slo.ttft or 0.0),
             tpot_s=float(spec.slo.tpot or 0.0),
@@ -220,12 +251,13 @@ class Autoscaler:
                 )
                 or "metrics missing"
             )
-        patched = self._write(body, spec, result, memory, hold_reason)
+        outside = {POOLS[p]: list(v.others) for p, v in views.items() if v.others}
+        patched = self._write(body, views, result, memory, hold_reason, outside)
         ready = {p: s.ready for p, s in statuses.items()}
         self.metrics.record(namespace, name, result, ready, slo)
-        self._events(body, result, memory, hold_reason)
+        self._events(body, result, memory, hold_reason, outside, views)
         for d in result.decisions():
-            if d.changed:
+            if d.changed and POOLS[d.pool] not in outside:
                 log.info(
                     "%s/%s %s %d -> %d: %s: %s",
                     namespace,
@@ -245,24 +277,33 @@ class Autoscaler:
         for k in stale:
             del self._memory[k]
 
-    def _pool_statuses(
-        self, body: Mapping[str, Any], spec: InferenceServiceSpec, namespace: str, name: str
-    ) -> dict[PlannerPool, PoolStatus] | None:
-        recorded = as_map(as_map(body.get("status")).get("pools"))
-        out: dict[PlannerPool, PoolStatus] = {}
+    def _pools(
+        self, spec: InferenceServiceSpec, namespace: str, name: str
+    ) -> dict[PlannerPool, PoolView] | None:
+        out: dict[PlannerPool, PoolView] = {}
         for planner_pool, pool in POOLS.items():
-            deployment = self.cluster.get(DEPLOYMENT, namespace, f"{name}-{pool.value}")
-            if deployment is None:
+            pool_name = f"{name}-{pool.value}"
+            worker_pool = self.cluster.get(WORKER_POOL, namespace, pool_name)
+            deployment = self.cluster.get(DEPLOYMENT, namespace, pool_name)
+            if worker_pool is None or deployment is None:
                 return None
+            target = as_int(as_map(worker_pool.get("spec")).get("replicas"))
             applied = as_int(as_map(deployment.get("spec")).get("replicas"))
             ready = as_int(as_map(deployment.get("status")).get("readyReplicas")) or 0
-            desired = as_int(as_map(recorded.get(pool.value)).get("desiredReplicas"))
             bounds = spec.autoscaling.bounds(pool)
-            current = desired if desired is not None else (applied if applied is not None else 1)
-            out[planner_pool] = PoolStatus(
-                replicas=current,
-                ready=ready,
-                bounds=Bounds(bounds.min_replicas, bounds.max_replicas),
+            current = target if target is not None else (applied if applied is not None else 1)
+            others = tuple(m for m in owners(worker_pool, ("spec", "replicas")) if m not in SCALERS)
+            # a pool another writer scales is held where it is: the planner neither plans
+            # a change for it nor counts one (no cooldown from a resize it never made)
+            limits = (
+                Bounds(current, current)
+                if others
+                else Bounds(bounds.min_replicas, bounds.max_replicas)
+            )
+            out[planner_pool] = PoolView(
+                PoolStatus(replicas=current, ready=ready, bounds=limits),
+                pool_name,
+                others,
             )
         return out
 
@@ -271,31 +312,76 @@ class Autoscaler:
     def _write(
         self,
         body: Mapping[str, Any],
-        spec: InferenceServiceSpec,
+        views: Mapping[PlannerPool, PoolView],
         result: Plan,
         memory: _Memory,
         hold_reason: str | None,
+        outside: Mapping[Pool, list[str]],
     ) -> bool:
+        """Apply the changed decisions to the WorkerPools and the planner's status; False
+        when a write failed (the next tick tries again)."""
         namespace, name, _ = self._key(body)
         stamp = timestamp(self._wall())
-        patch = status_patch(body, result, memory.last_scale, hold_reason, stamp)
+        ok = True
+        for d in result.decisions():
+            pool = POOLS[d.pool]
+            if not d.changed or pool in outside:
+                continue
+            manifest = {
+                "apiVersion": API_VERSION,
+                "kind": POOL_KIND,
+                "metadata": {"name": views[d.pool].name, "namespace": namespace},
+                "spec": {"replicas": d.replicas},
+            }
+            try:
+                self.cluster.apply(manifest, field_manager=PLANNER, force=True)
+            except ApiError as exc:
+                log.warning("could not scale %s on %s/%s: %s", views[d.pool].name, namespace,
+                            name, exc)  # fmt: skip
+                ok = False
+        status = planner_status(
+            body,
+            result,
+            memory.last_scale,
+            hold_reason=hold_reason,
+            outside=outside,
+            names={POOLS[p]: v.name for p, v in views.items()},
+            stamp=stamp,
+        )
+        manifest = {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "metadata": {"name": name, "namespace": namespace},
+            "status": status,
+        }
         try:
-            self.cluster.patch(
-                INFERENCE_SERVICE, namespace, name, {"status": patch}, subresource="status"
-            )
+            self.cluster.apply(manifest, field_manager=PLANNER, force=True, subresource="status")
         except ApiError as exc:  # the next tick retries
-            log.warning("could not write the planner's decision on %s/%s: %s", namespace, name, exc)
+            log.warning("could not write the planner's status on %s/%s: %s", namespace, name, exc)
             return False
-        return True
+        return ok
 
     def _events(
-        self, body: Mapping[str, Any], result: Plan, memory: _Memory, hold_reason: str | None
+        self,
+        body: Mapping[str, Any],
+        result: Plan,
+        memory: _Memory,
+        hold_reason: str | None,
+        outside: Mapping[Pool, list[str]],
+        views: Mapping[PlannerPool, PoolView],
     ) -> None:
         active = hold_reason is None
         was = memory.scaling_active
         memory.scaling_active = active
+        newly_outside = {p: m for p, m in outside.items() if p not in memory.outside}
+        memory.outside = frozenset(outside)
         if not self._record_events:
             return
+        if newly_outside:
+            names = {POOLS[p]: v.name for p, v in views.items()}
+            self.cluster.event(
+                body, "Warning", REASON_OUTSIDE, outside_message(newly_outside, names)
+            )
         if not active and was is not False:
             self.cluster.event(
                 body,
@@ -306,5 +392,5 @@ class Autoscaler:
         elif active and was is False:
             self.cluster.event(body, "Normal", REASON_ACTIVE, "metrics are back; planning again")
         for d in result.decisions():
-            if d.changed:
+            if d.changed and POOLS[d.pool] not in outside:
                 self.cluster.event(body, "Normal", event_reason(d), event_message(d))

@@ -1,13 +1,14 @@
-"""What the autoscaling loop writes back: the planner's ``status`` patch, the
-``ScalingActive`` condition and the Events that announce a resize.
-
-Pure: builds dictionaries and strings from a :class:`~splitserve_operator.planner.model.Plan`;
-:class:`~.loop.Autoscaler` sends them to the cluster.
+"""What the autoscaling loop writes back: the planner's part of the InferenceService's
+status (its records and the ``ScalingActive`` condition) and the Events that announce a
+resize. Pure: builds dictionaries and strings from a
+:class:`~splitserve_operator.planner.model.Plan`; :class:`~.loop.Autoscaler` applies them
+under its own field manager, so the API server merges its condition with the
+reconciler's by type.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 from splitserve_operator.api.fields import as_map, count
@@ -16,10 +17,12 @@ from splitserve_operator.planner.model import Direction, Plan, PoolDecision
 from splitserve_operator.planner.model import Pool as PlannerPool
 
 CONDITION = "ScalingActive"
-"""Condition type (as the HorizontalPodAutoscaler names it): True while the
-planner has the metrics it needs, False while it holds for lack of them."""
+"""Condition type (as the HorizontalPodAutoscaler names it): True while the planner
+scales every pool from the metrics it needs; False while it holds, for lack of metrics
+or because another writer scales a pool."""
 REASON_ACTIVE = "MetricsAvailable"
 REASON_HOLDING = "MetricsUnavailable"
+REASON_OUTSIDE = "ScaledOutside"
 EVENT_SCALED_UP = "ScaledUp"
 EVENT_SCALED_DOWN = "ScaledDown"
 
@@ -36,70 +39,79 @@ def hold_message(hold_reason: str | None) -> str:
     return f"holding replicas, not scaling on missing data: {hold_reason}"
 
 
-def status_patch(
+def outside_message(outside: Mapping[Pool, Sequence[str]], names: Mapping[Pool, str]) -> str:
+    """Which pools another writer scales, and how to settle it."""
+    parts = []
+    for pool, managers in sorted(outside.items()):
+        name = names[pool]
+        parts.append(
+            f"the {pool.value} pool (WorkerPool {name}) is scaled by {', '.join(managers)}, not "
+            "the planner: the planner leaves it alone. Turn autoscaling off to let that "
+            "scaler drive it, or hand the pool back: kubectl patch workerpool "
+            f"{name} --type=merge --field-manager=splitserve-planner "
+            '-p \'{"spec":{"replicas":N}}\''
+        )
+    return "; ".join(parts)
+
+
+def planner_status(
     body: Mapping[str, Any],
     result: Plan,
     last_scale: MutableMapping[str, str],
+    *,
     hold_reason: str | None,
+    outside: Mapping[Pool, Sequence[str]],
+    names: Mapping[Pool, str],
     stamp: str,
 ) -> dict[str, Any]:
-    """The ``status`` merge patch for one tick; records ``stamp`` in ``last_scale``
-    for every pool whose replica count changed."""
-    status = as_map(body.get("status"))
-    pools: dict[str, Any] = {}
+    """The planner's ``status`` for one tick; records ``stamp`` in ``last_scale`` for
+    every pool whose replica count it changed."""
     planner_pools: dict[str, Any] = {}
     for d in result.decisions():
-        pool = POOLS[d.pool].value
-        if d.changed:
-            # d.previous is the recorded target (else the Deployment's size)
-            pools[pool] = {"desiredReplicas": d.replicas}
-            last_scale[pool] = stamp
+        pool = POOLS[d.pool]
+        if d.changed and pool not in outside:
+            last_scale[pool.value] = stamp
         entry: dict[str, Any] = {
             "desiredReplicas": d.replicas,
-            "reason": d.reason.value,
+            "reason": REASON_OUTSIDE if pool in outside else d.reason.value,
             "message": d.detail[:512],
         }
-        if pool in last_scale:
-            entry["lastScaleTime"] = last_scale[pool]
+        if pool.value in last_scale:
+            entry["lastScaleTime"] = last_scale[pool.value]
         if d.capacity is not None:
             entry["capacityPerReplica"] = round(d.capacity, 3)
         if d.slo_ratio is not None:
             entry["sloRatio"] = round(d.slo_ratio, 3)
-        planner_pools[pool] = entry
-    active = hold_reason is None
-    message = hold_message(hold_reason)
-    conditions = scaling_conditions(
-        status, active, message, stamp, count(as_map(body.get("metadata")).get("generation"))
-    )
-    patch: dict[str, Any] = {
+        planner_pools[pool.value] = entry
+    if outside:
+        active, reason, message = False, REASON_OUTSIDE, outside_message(outside, names)
+    elif hold_reason is not None:
+        active, reason, message = False, REASON_HOLDING, hold_message(hold_reason)
+    else:
+        active, reason, message = True, REASON_ACTIVE, hold_message(None)
+    status = as_map(body.get("status"))
+    generation = count(as_map(body.get("metadata")).get("generation"))
+    return {
         "autoscaling": {
             "lastTickTime": stamp,
-            "metricsAvailable": active,
+            "metricsAvailable": hold_reason is None,
             "pools": planner_pools,
         },
+        "conditions": [scaling_condition(status, active, reason, message, stamp, generation)],
     }
-    if conditions is not None:
-        patch["conditions"] = conditions
-    if pools:
-        patch["pools"] = pools
-    return patch
 
 
-def scaling_conditions(
-    status: Mapping[str, Any], active: bool, message: str, stamp: str, generation: int
-) -> list[dict[str, Any]] | None:
-    """All conditions with ours set; None when ours is unchanged (list merge patches
-    replace the whole list, so the others are sent back as they are)."""
+def scaling_condition(
+    status: Mapping[str, Any], active: bool, reason: str, message: str, stamp: str, generation: int
+) -> dict[str, Any]:
+    """The ``ScalingActive`` condition; its ``lastTransitionTime`` moves only on a flip."""
     old = [c for c in status.get("conditions") or [] if isinstance(c, Mapping)]
     value = "True" if active else "False"
-    reason = REASON_ACTIVE if active else REASON_HOLDING
     mine = next((c for c in old if c.get("type") == CONDITION), None)
-    if mine is not None and mine.get("status") == value and mine.get("message") == message:
-        return None
     since = stamp
     if mine is not None and mine.get("status") == value:
         since = str(mine.get("lastTransitionTime") or stamp)
-    new = {
+    return {
         "type": CONDITION,
         "status": value,
         "reason": reason,
@@ -107,7 +119,6 @@ def scaling_conditions(
         "lastTransitionTime": since,
         "observedGeneration": generation,
     }
-    return [dict(c) for c in old if c.get("type") != CONDITION] + [new]
 
 
 def event_reason(d: PoolDecision) -> str:
