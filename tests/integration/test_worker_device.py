@@ -105,6 +105,7 @@ def test_a_sticky_device_error_makes_the_worker_unhealthy_to_the_router(
         try:
             pool.set_endpoints([WorkerEndpoint("w", Role.BOTH, worker.address)])
             await until_health(pool, healthy=True)
+            compat = (await client.health()).compat
             assert len(await generate(client, "before")) >= 1
             fail_next_step(worker, torch.AcceleratorError(ILLEGAL_ADDRESS))
             chunks = await generate(client, "hit")
@@ -112,7 +113,7 @@ def test_a_sticky_device_error_makes_the_worker_unhealthy_to_the_router(
             assert "illegal memory access" in chunks[-1].error
             await asyncio.wait_for(worker.device_failed.wait(), 10)
             assert "cudaErrorIllegalAddress" in (worker.device.failure or "")
-            for call in (client.health(), client.reserve("next", 4)):
+            for call in (client.health(), client.reserve("next", 4, compat)):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await call
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -98,7 +98,7 @@ def _draw(case: Case) -> list[int]:
     generator = make_generator(params, "cpu")
     assert generator is not None
     rows = [SampleRow(params, generator) for _ in range(N)]
-    tokens, _ = sample(torch.tensor([LOGITS]).expand(N, len(LOGITS)), rows)
+    tokens = sample(torch.tensor([LOGITS]).expand(N, len(LOGITS)), rows).tokens
     counts = [0] * len(LOGITS)
     for t in tokens:
         counts[t] += 1
