@@ -73,6 +73,10 @@ def test_the_interceptor_serves_callers_with_the_token_and_refuses_the_others() 
     for r in (refused, refused_bare):
         # not the method's own handler: one that never reads (or parses) the request
         assert r is not handler and r.request_deserializer is None and r.request_streaming
+        assert not r.response_streaming  # answered in the method's own shape
+    streaming = grpc.unary_stream_rpc_method_handler(lambda request, context: iter(()))
+    refused_stream = intercept(streaming, ())
+    assert refused_stream is not streaming and refused_stream.response_streaming
     # an unknown method stays unknown (UNIMPLEMENTED), with or without the token
     assert intercept(None, ()) is None
     assert intercept(None, (("authorization", "Bearer abc"),)) is None
