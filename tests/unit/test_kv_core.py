@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import os
 import threading
 import time
@@ -27,6 +29,15 @@ def test_same_fields_same_hash_and_check_passes() -> None:
     other = Compat("tiny", "float32", 16, 4, 2, 16, "LKBTHD-v1")
     assert other.hash == BASE.hash
     compat_mod.check(BASE, other)
+
+
+def test_the_hash_is_sha256_of_the_canonical_fields_pinned() -> None:
+    # workers of two releases meet during a rolling upgrade: the hash is sha256 over the
+    # fields as sorted, compact JSON, pinned as well so that a change is a deliberate one
+    canon = json.dumps(BASE.fields(), sort_keys=True, separators=(",", ":"))
+    assert canon.startswith('{"block_size":16,"dtype":"float32",')
+    assert BASE.hash == hashlib.sha256(canon.encode()).hexdigest()
+    assert BASE.hash == "79559da1c63e432dcddf012a3be879470ea0b2e8bc58f48266c474086e12011a"
 
 
 def test_mismatch_names_each_field_with_both_values() -> None:
