@@ -273,6 +273,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="count the mutants, run nothing")
     ap.add_argument("--save", type=Path, default=None,
                     help="also write each mutant's outcome to this file (JSON lines)")  # fmt: skip
+    ap.add_argument("--retest", type=Path, default=None,
+                    help="run again only the survivors saved in this file (after new tests); "
+                         "its killed mutants are kept as they are")  # fmt: skip
     ap.add_argument("--merge", type=Path, action="append", default=[],
                     help="report over the outcomes saved by earlier runs (repeatable); "
                          "runs nothing")  # fmt: skip
@@ -281,12 +284,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         report([o for path in args.merge for o in load(path)])
         return 0
 
-    targets = [t for t in TARGETS if not args.only or any(o in t.files for o in args.only)]
-    if not targets:
-        known = [t.files for t in TARGETS]
-        raise SystemExit(f"no target matches {args.only}; the targets: {known}")
-    every = enumerate_mutants(targets, ROOT)
-    chosen = sample(every, args.max_per_file, args.seed)
+    earlier: list[Outcome] = []
+    if args.retest is not None:
+        saved = load(args.retest)
+        earlier = [o for o in saved if o.killed]
+        every = chosen = [o.mutant for o in saved if not o.killed]
+    else:
+        targets = [t for t in TARGETS if not args.only or any(o in t.files for o in args.only)]
+        if not targets:
+            known = [t.files for t in TARGETS]
+            raise SystemExit(f"no target matches {args.only}; the targets: {known}")
+        every = enumerate_mutants(targets, ROOT)
+        chosen = sample(every, args.max_per_file, args.seed)
     counts: dict[str, int] = {}
     for m in chosen:
         counts[m.path] = counts.get(m.path, 0) + 1
@@ -320,6 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           flush=True)  # fmt: skip
         finally:
             os.chdir(here)
+    outcomes = earlier + outcomes
     if args.save is not None:
         save(outcomes, args.save)
     report(outcomes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -38,6 +39,9 @@ def test_the_hash_is_sha256_of_the_canonical_fields_pinned() -> None:
     assert canon.startswith('{"block_size":16,"dtype":"float32",')
     assert BASE.hash == hashlib.sha256(canon.encode()).hexdigest()
     assert BASE.hash == "79559da1c63e432dcddf012a3be879470ea0b2e8bc58f48266c474086e12011a"
+    # computed once from the fields: a field changed afterwards would leave it stale
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        BASE.dtype = "bfloat16"  # type: ignore[misc]
 
 
 def test_mismatch_names_each_field_with_both_values() -> None:
