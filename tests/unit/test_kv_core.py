@@ -54,6 +54,21 @@ def test_mismatch_names_each_field_with_both_values() -> None:
     assert "num_layers" not in msg
 
 
+def _fresh(value: object) -> object:
+    """An equal value that is not the same object (as one decoded off the wire is)."""
+    return "".join(list(value)) if isinstance(value, str) else int(str(value))
+
+
+def test_only_the_fields_that_differ_are_named_whatever_objects_carry_them() -> None:
+    big = Compat("tiny", "float32", 16, 4, 2, 4096, "LKBTHD-v1")
+    for mine in (BASE, big):
+        fields = {k: _fresh(v) for k, v in mine.fields().items()}
+        theirs = Compat.from_mapping({**fields, "dtype": "bfloat16"})
+        with pytest.raises(CompatError) as e:
+            compat_mod.check(mine, theirs)
+        assert str(e.value).count("this worker=") == 1 and "dtype:" in str(e.value)
+
+
 def test_hash_only_difference_is_still_refused() -> None:
     other = Compat("tiny", "float32", 16, 4, 2, 16, "LKBTHD-v1", hash="f" * 64)
     with pytest.raises(CompatError, match="hash"):
