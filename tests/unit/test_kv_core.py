@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -82,8 +83,11 @@ def test_an_engines_identity_is_hashed_beyond_the_fields_carried() -> None:
     one = Compat.from_mapping(info)
     assert one.fields() == BASE.fields() and one.hash != BASE.hash
     other = Compat.from_mapping({**info, "vocab_size": 101})
-    with pytest.raises(CompatError, match="same fields: the checkpoints differ"):
+    with pytest.raises(CompatError, match="same fields: the checkpoints differ") as e:
         compat_mod.check(one, other)
+    # each side's hash is shown, its first 16 hex digits
+    shown = re.search(r"hash: this worker=([0-9a-f]+), peer=([0-9a-f]+) ", str(e.value))
+    assert shown is not None and shown.groups() == (one.hash[:16], other.hash[:16])
     assert Compat.from_mapping(dict(info)).hash == one.hash
     for field in ("dtype", "block_size", "kv_heads"):
         changed = Compat.from_mapping({**info, field: {"dtype": "bfloat16"}.get(field, 99)})
