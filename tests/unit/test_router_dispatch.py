@@ -6,6 +6,7 @@ tests/integration/test_router_faults.py.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -14,7 +15,7 @@ from mem_workers import MemWorker, collect, expected, make, run
 from splitserve.sampling import SamplingParams
 from splitserve_worker.router.config import QueueConfig
 from splitserve_worker.router.dispatch import GenRequest
-from splitserve_worker.router.failures import RequestFailed
+from splitserve_worker.router.failures import RequestFailed, Stale
 
 pytestmark = pytest.mark.unit
 
@@ -89,6 +90,39 @@ async def test_lost_mid_stream_migrates_prompt_plus_tokens_so_far() -> None:
     assert await run(disp, [7, 8, 9], 10) == expected([7, 8, 9], 10)
     _, prompt, max_tokens = b2.generated[0]
     assert prompt == (7, 8, 9, *expected([7, 8, 9], 3)) and max_tokens == 7
+
+
+@pytest.mark.parametrize(("min_tokens", "left"), [(5, 2), (2, 0), (0, 0)])
+async def test_a_migrated_request_owes_only_the_minimum_it_has_not_yet_produced(
+    min_tokens: int, left: int
+) -> None:
+    b1, b2 = MemWorker("b1", "both"), MemWorker("b2", "both")
+    b1.fail_generate_after = 3
+    disp = await make([b1, b2])
+    sampling = SamplingParams(max_tokens=10, min_tokens=min_tokens)
+    assert await run(disp, [7, 8, 9], 10, sampling) == expected([7, 8, 9], 10)
+    (resumed,) = b2.generate_sampling
+    assert (resumed.min_tokens, resumed.max_tokens, resumed.resumed_tokens) == (left, 7, 3)
+
+
+async def test_a_request_planned_again_too_often_fails_saying_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # every attempt finds its planned workers gone when its prefill slot comes (Stale):
+    # planned once, then again eight times (MAX_REPLANS), then a 503 that says why
+    disp = await make([MemWorker("b1", "both")])
+    attempts: list[str] = []
+
+    async def stale(rid: str, *_: Any) -> AsyncIterator[Any]:
+        attempts.append(rid)
+        raise Stale()
+        yield  # an async generator, as the attempt is
+
+    monkeypatch.setattr(disp, "_attempt", stale)
+    with pytest.raises(RequestFailed) as info:
+        await run(disp, [1], 3)
+    assert info.value.status == 503 and "kept going down" in info.value.message
+    assert len(attempts) == 9 and disp.decode_stage.active == 0
 
 
 async def test_retries_run_out_with_a_clear_error() -> None:
