@@ -125,6 +125,30 @@ async def test_a_request_planned_again_too_often_fails_saying_why(
     assert len(attempts) == 9 and disp.decode_stage.active == 0
 
 
+async def test_a_request_no_worker_can_ever_hold_fails_at_once_saying_why() -> None:
+    small = MemWorker("b1", "both")
+    small.total_blocks = 2
+    disp = await make([small], queues=QueueConfig(max_wait_s=0.5))
+    with pytest.raises(RequestFailed) as info:
+        await run(disp, list(range(100)), 3)
+    assert info.value.status == 503
+    assert "b1 holds 2 KV blocks, it needs" in info.value.message, info.value.message
+    assert small.generated == []
+
+
+async def test_a_request_waits_for_a_worker_that_is_down_and_comes_back() -> None:
+    b1 = MemWorker("b1", "both")
+    disp = await make([b1], health_interval_s=0.05, queues=QueueConfig(max_wait_s=30))
+    b1.fail_health = True
+    disp.pool.mark_failed("b1", "test: down for a while")
+    task = asyncio.create_task(run(disp, [1, 2], 3))
+    for _ in range(100):
+        await asyncio.sleep(0)
+    assert not task.done(), "refused at once: it should wait for a worker to come back"
+    b1.fail_health = False
+    assert await task == expected([1, 2], 3)
+
+
 async def test_retries_run_out_with_a_clear_error() -> None:
     ws = [MemWorker(f"b{i}", "both") for i in range(4)]
     for w in ws:
