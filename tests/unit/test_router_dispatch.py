@@ -149,6 +149,19 @@ async def test_a_request_waits_for_a_worker_that_is_down_and_comes_back() -> Non
     assert await task == expected([1, 2], 3)
 
 
+async def test_a_finished_request_leaves_no_assignment_and_cancels_nothing() -> None:
+    b1 = MemWorker("b1", "both")
+    p1, d1 = MemWorker("p1", "prefill"), MemWorker("d1", "decode")
+    local = await make([b1])
+    remote = await make([p1, d1], disaggregation=REMOTE)
+    for disp, decoder, kv_from_prefill in ((local, b1, False), (remote, d1, True)):
+        for _ in range(2):
+            assert await run(disp, [3, 4], 3) == expected([3, 4], 3)
+        assert decoder.expect_remote == [kv_from_prefill] * 2
+        assert [v.assigned for v in disp.pool.snapshot()] == [0] * len(disp.pool.snapshot())
+    assert b1.cancelled == p1.cancelled == d1.cancelled == []
+
+
 async def test_retries_run_out_with_a_clear_error() -> None:
     ws = [MemWorker(f"b{i}", "both") for i in range(4)]
     for w in ws:
