@@ -16,12 +16,19 @@ seeded sample, runs a baseline, and reports.
     nice -n 10 .venv/bin/python bench/mutation.py --only planner/ --max-per-file 30
     .venv/bin/python bench/mutation.py --list                      # mutant counts only
 
+On two cores, run one target at a time and merge the outcomes into one report:
+
+    nice -n 10 .venv/bin/python bench/mutation.py --only kv/lease --save out/lease.jsonl
+    ...
+    .venv/bin/python bench/mutation.py --merge out/lease.jsonl --merge out/planner.jsonl
+
 Module paths move as the code does: the table below is the one place to update.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -30,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +56,6 @@ RENDER_TESTS = (
     "tests/unit/test_operator_render_edges.py",
     "tests/unit/test_operator_render_objects.py",
     "tests/unit/test_operator_images.py",
-    "tests/unit/test_operator_merge.py",
 )
 
 
@@ -63,23 +69,33 @@ class Target:
     """Mutate only inside these functions (by name); empty: the whole file."""
 
 
+KV_CORE_TESTS = ("tests/unit/test_kv_core.py",)
+KV_COMPAT_TESTS = ("tests/unit/test_kv_core.py", "tests/unit/test_kv_tcp_wire.py")
+PREFIX_HASH_TESTS = ("tests/unit/test_engine_block_pool.py", "tests/unit/test_router_scoring.py",
+                     "tests/unit/test_router_decision.py")  # fmt: skip
+ROUTER_KEY_TESTS = ("tests/unit/test_router_api_key_scheme.py", "tests/unit/test_router_api.py")
+
 TARGETS = (
-    Target("worker/splitserve_worker/kv/lease.py", ("tests/unit/test_kv_core.py",)),
-    Target("worker/splitserve_worker/kv/compat.py", ("tests/unit/test_kv_core.py",)),
+    # KV leases: the table every receiver keeps, and the receivers' renewals
+    Target("worker/splitserve_worker/kv/lease.py", KV_CORE_TESTS),
+    # KV compatibility: the contract's hash and check, and the engine's identity
+    Target("proto/splitserve/kv_compat.py", KV_COMPAT_TESTS),
     Target(
-        "worker/splitserve_worker/engine/prefix_cache.py",
-        ("tests/unit/test_engine_block_pool.py", "tests/unit/test_router_scoring.py"),
+        "worker/splitserve_worker/engine/identity.py",
+        (
+            "tests/integration/test_kv_handoff.py::test_workers_that_differ_are_refused_from_their_own_hashes",
+        ),
+        only_in=("compat_info",),
     ),
+    # the prefix-hash chain the router and the engine compute alike
+    Target("proto/splitserve/prefix_hash.py", PREFIX_HASH_TESTS),
     Target("worker/splitserve_worker/router/dispatch.py", ("tests/unit/test_router_dispatch.py",)),
+    # the worker's token check, and the router's API key
     Target(
         "worker/splitserve_worker/server/auth.py",
         ("tests/unit/test_kv_auth.py", "tests/unit/test_security_secrets.py"),
     ),
-    Target(  # the router's API-key check
-        "worker/splitserve_worker/router/app.py",
-        ("tests/unit/test_router_api_key_scheme.py", "tests/unit/test_router_api.py"),
-        only_in=("_auth", "check"),
-    ),
+    Target("worker/splitserve_worker/router/api_key.py", ROUTER_KEY_TESTS),
     Target("operator/splitserve_operator/planner/*.py", PLANNER_TESTS),
     Target("operator/splitserve_operator/render/*.py", RENDER_TESTS),
 )
@@ -255,14 +271,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="a seeded sample of at most this many mutants per file")  # fmt: skip
     ap.add_argument("--seed", type=int, default=27)
     ap.add_argument("--list", action="store_true", help="count the mutants, run nothing")
+    ap.add_argument("--save", type=Path, default=None,
+                    help="also write each mutant's outcome to this file (JSON lines)")  # fmt: skip
+    ap.add_argument("--retest", type=Path, default=None,
+                    help="run again only the survivors saved in this file (after new tests); "
+                         "its killed mutants are kept as they are")  # fmt: skip
+    ap.add_argument("--merge", type=Path, action="append", default=[],
+                    help="report over the outcomes saved by earlier runs (repeatable); "
+                         "runs nothing")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.merge:
+        report([o for path in args.merge for o in load(path)])
+        return 0
 
-    targets = [t for t in TARGETS if not args.only or any(o in t.files for o in args.only)]
-    if not targets:
-        known = [t.files for t in TARGETS]
-        raise SystemExit(f"no target matches {args.only}; the targets: {known}")
-    every = enumerate_mutants(targets, ROOT)
-    chosen = sample(every, args.max_per_file, args.seed)
+    earlier: list[Outcome] = []
+    if args.retest is not None:
+        saved = load(args.retest)
+        earlier = [o for o in saved if o.killed]
+        every = chosen = [o.mutant for o in saved if not o.killed]
+    else:
+        targets = [t for t in TARGETS if not args.only or any(o in t.files for o in args.only)]
+        if not targets:
+            known = [t.files for t in TARGETS]
+            raise SystemExit(f"no target matches {args.only}; the targets: {known}")
+        every = enumerate_mutants(targets, ROOT)
+        chosen = sample(every, args.max_per_file, args.seed)
     counts: dict[str, int] = {}
     for m in chosen:
         counts[m.path] = counts.get(m.path, 0) + 1
@@ -296,8 +329,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                           flush=True)  # fmt: skip
         finally:
             os.chdir(here)
+    outcomes = earlier + outcomes
+    if args.save is not None:
+        save(outcomes, args.save)
     report(outcomes)
     return 0
+
+
+def save(outcomes: Sequence[Outcome], path: Path) -> None:
+    """One JSON line per outcome (what :func:`load` reads back for a merged report)."""
+    with path.open("w") as f:
+        for o in outcomes:
+            f.write(json.dumps({**asdict(o.mutant), "killed": o.killed, "how": o.how,
+                                "diff": o.diff}) + "\n")  # fmt: skip
+
+
+def load(path: Path) -> list[Outcome]:
+    out = []
+    for line in path.read_text().splitlines():
+        d = json.loads(line)
+        killed, how, diff = d.pop("killed"), d.pop("how"), d.pop("diff")
+        d["tests"] = tuple(d["tests"])
+        out.append(Outcome(Mutant(**d), killed, how, diff))
+    return out
 
 
 def report(outcomes: Sequence[Outcome]) -> None:

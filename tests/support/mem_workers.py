@@ -50,6 +50,8 @@ class MemWorker:
         self.cancelled: list[str] = []
         self.reserved: list[str] = []
         self.generated: list[tuple[str, tuple[int, ...], int]] = []
+        self.generate_sampling: list[SamplingParams] = []  # each generate call's, in order
+        self.expect_remote: list[bool] = []  # each generate call's expect_remote_kv
         self.prefilled: list[str] = []
         self.instance = uuid.uuid4().hex
         self.stall: asyncio.Event | None = None  # generate waits for it before each token
@@ -122,6 +124,8 @@ class MemWorker:
     ) -> AsyncIterator[pb.TokenChunk]:
         sampling_to_proto(sampling)  # as the client builds the call
         self.generated.append((request_id, tuple(prompt), sampling.max_tokens))
+        self.generate_sampling.append(sampling)
+        self.expect_remote.append(expect_remote_kv)
         seq = list(prompt)
         self.streams_open += 1
         try:

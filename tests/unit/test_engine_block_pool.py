@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 import pytest
 from fuzz_profiles import scaled
 from hypothesis import given, settings
@@ -109,6 +112,25 @@ def test_block_hashes_are_chained_and_skip_partial_blocks() -> None:
     # resuming from a parent gives the same result
     assert block_hashes(toks[:48], 16, parent=hs[0], start=16) == hs[1:]
     assert all(0 <= h < 2**64 for h in hs)
+
+
+def test_the_block_hash_is_the_contracts_blake2b_64_pinned() -> None:
+    # the router and workers of another release must agree: the hash is blake2b with an
+    # 8-byte digest over the parent (u64, little-endian) then the ids (i64, little-endian),
+    # read as a little-endian u64; pinned as well, so a change is a deliberate one
+    toks = list(range(16))
+    raw = struct.pack("<Q", 0) + struct.pack("<16q", *toks)
+    expected = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+    assert hash_block(0, toks) == expected == 15419130808853295947
+    assert block_hashes(list(range(32)), 16)[1] == 13931401434043050494
+
+
+@pytest.mark.parametrize("tail", [0, 1, 15])
+def test_only_full_blocks_are_hashed_whatever_the_tail(tail: int) -> None:
+    toks = list(range(32 + tail))
+    assert len(block_hashes(toks, 16)) == 2
+    assert len(block_hashes(toks, 16, parent=7, start=16)) == 1
+    assert block_hashes(toks[:15], 16) == []
 
 
 ops = st.lists(

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 from splitserve_worker.server.auth import TokenAuthInterceptor, TokenError, load_token
 from splitserve_worker.server.config import ConfigError, WorkerConfig
@@ -36,6 +39,47 @@ def test_interceptor_accepts_only_the_exact_bearer_token() -> None:
     assert not auth.allowed((("authorization", "abc"),))
     assert not auth.allowed((("x-other", "Bearer abc"),))
     assert not auth.allowed(())
+
+
+def test_the_token_is_found_among_other_metadata_as_grpc_hands_it_over() -> None:
+    auth = TokenAuthInterceptor("abc")
+    # gRPC builds each key afresh (never the interned constant), and the token may come
+    # after other keys, some sorting before "authorization"
+    key = "".join(["author", "ization"])
+    assert auth.allowed((("accept", "x"), ("a-trace", "t"), (key, "Bearer abc")))
+    assert auth.allowed(((key, b"Bearer abc"), ("user-agent", "grpc-python")))
+    assert not auth.allowed((("accept", "Bearer abc"), ("zz", "Bearer abc")))
+
+
+class _Details:
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.method = "/splitserve.v1.Worker/Health"
+        self.invocation_metadata = metadata
+
+
+def test_the_interceptor_serves_callers_with_the_token_and_refuses_the_others() -> None:
+    auth = TokenAuthInterceptor("abc")
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+
+    def intercept(found: Any, metadata: tuple[tuple[str, str], ...]) -> Any:
+        async def continuation(_details: Any) -> Any:
+            return found
+
+        return asyncio.run(auth.intercept_service(continuation, _Details(metadata)))
+
+    assert intercept(handler, (("authorization", "Bearer abc"),)) is handler
+    refused = intercept(handler, (("authorization", "Bearer nope"),))
+    refused_bare = intercept(handler, ())
+    for r in (refused, refused_bare):
+        # not the method's own handler: one that never reads (or parses) the request
+        assert r is not handler and r.request_deserializer is None and r.request_streaming
+        assert not r.response_streaming  # answered in the method's own shape
+    streaming = grpc.unary_stream_rpc_method_handler(lambda request, context: iter(()))
+    refused_stream = intercept(streaming, ())
+    assert refused_stream is not streaming and refused_stream.response_streaming
+    # an unknown method stays unknown (UNIMPLEMENTED), with or without the token
+    assert intercept(None, ()) is None
+    assert intercept(None, (("authorization", "Bearer abc"),)) is None
 
 
 def test_worker_config_checks_fields_and_hides_token() -> None:

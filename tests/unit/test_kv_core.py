@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
+import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -29,6 +33,18 @@ def test_same_fields_same_hash_and_check_passes() -> None:
     compat_mod.check(BASE, other)
 
 
+def test_the_hash_is_sha256_of_the_canonical_fields_pinned() -> None:
+    # workers of two releases meet during a rolling upgrade: the hash is sha256 over the
+    # fields as sorted, compact JSON, pinned as well so that a change is a deliberate one
+    canon = json.dumps(BASE.fields(), sort_keys=True, separators=(",", ":"))
+    assert canon.startswith('{"block_size":16,"dtype":"float32",')
+    assert BASE.hash == hashlib.sha256(canon.encode()).hexdigest()
+    assert BASE.hash == "79559da1c63e432dcddf012a3be879470ea0b2e8bc58f48266c474086e12011a"
+    # computed once from the fields: a field changed afterwards would leave it stale
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        BASE.dtype = "bfloat16"  # type: ignore[misc]
+
+
 def test_mismatch_names_each_field_with_both_values() -> None:
     other = Compat("tiny", "bfloat16", 32, 4, 2, 16, "LKBTHD-v1")
     with pytest.raises(CompatError) as e:
@@ -37,6 +53,21 @@ def test_mismatch_names_each_field_with_both_values() -> None:
     assert "dtype: this worker='float32', 10.0.0.2:7000='bfloat16'" in msg
     assert "block_size: this worker=16, 10.0.0.2:7000=32" in msg
     assert "num_layers" not in msg
+
+
+def _fresh(value: object) -> object:
+    """An equal value that is not the same object (as one decoded off the wire is)."""
+    return "".join(list(value)) if isinstance(value, str) else int(str(value))
+
+
+def test_only_the_fields_that_differ_are_named_whatever_objects_carry_them() -> None:
+    big = Compat("tiny", "float32", 16, 4, 2, 4096, "LKBTHD-v1")
+    for mine in (BASE, big):
+        fields = {k: _fresh(v) for k, v in mine.fields().items()}
+        theirs = Compat.from_mapping({**fields, "dtype": "bfloat16"})
+        with pytest.raises(CompatError) as e:
+            compat_mod.check(mine, theirs)
+        assert str(e.value).count("this worker=") == 1 and "dtype:" in str(e.value)
 
 
 def test_hash_only_difference_is_still_refused() -> None:
@@ -52,8 +83,11 @@ def test_an_engines_identity_is_hashed_beyond_the_fields_carried() -> None:
     one = Compat.from_mapping(info)
     assert one.fields() == BASE.fields() and one.hash != BASE.hash
     other = Compat.from_mapping({**info, "vocab_size": 101})
-    with pytest.raises(CompatError, match="same fields: the checkpoints differ"):
+    with pytest.raises(CompatError, match="same fields: the checkpoints differ") as e:
         compat_mod.check(one, other)
+    # each side's hash is shown, its first 16 hex digits
+    shown = re.search(r"hash: this worker=([0-9a-f]+), peer=([0-9a-f]+) ", str(e.value))
+    assert shown is not None and shown.groups() == (one.hash[:16], other.hash[:16])
     assert Compat.from_mapping(dict(info)).hash == one.hash
     for field in ("dtype", "block_size", "kv_heads"):
         changed = Compat.from_mapping({**info, field: {"dtype": "bfloat16"}.get(field, 99)})

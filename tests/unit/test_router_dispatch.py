@@ -6,6 +6,7 @@ tests/integration/test_router_faults.py.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -14,7 +15,7 @@ from mem_workers import MemWorker, collect, expected, make, run
 from splitserve.sampling import SamplingParams
 from splitserve_worker.router.config import QueueConfig
 from splitserve_worker.router.dispatch import GenRequest
-from splitserve_worker.router.failures import RequestFailed
+from splitserve_worker.router.failures import RequestFailed, Stale
 
 pytestmark = pytest.mark.unit
 
@@ -89,6 +90,76 @@ async def test_lost_mid_stream_migrates_prompt_plus_tokens_so_far() -> None:
     assert await run(disp, [7, 8, 9], 10) == expected([7, 8, 9], 10)
     _, prompt, max_tokens = b2.generated[0]
     assert prompt == (7, 8, 9, *expected([7, 8, 9], 3)) and max_tokens == 7
+
+
+@pytest.mark.parametrize(("min_tokens", "left"), [(5, 2), (2, 0), (0, 0)])
+async def test_a_migrated_request_owes_only_the_minimum_it_has_not_yet_produced(
+    min_tokens: int, left: int
+) -> None:
+    b1, b2 = MemWorker("b1", "both"), MemWorker("b2", "both")
+    b1.fail_generate_after = 3
+    disp = await make([b1, b2])
+    sampling = SamplingParams(max_tokens=10, min_tokens=min_tokens)
+    assert await run(disp, [7, 8, 9], 10, sampling) == expected([7, 8, 9], 10)
+    (resumed,) = b2.generate_sampling
+    assert (resumed.min_tokens, resumed.max_tokens, resumed.resumed_tokens) == (left, 7, 3)
+
+
+async def test_a_request_planned_again_too_often_fails_saying_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # every attempt finds its planned workers gone when its prefill slot comes (Stale):
+    # planned once, then again eight times (MAX_REPLANS), then a 503 that says why
+    disp = await make([MemWorker("b1", "both")])
+    attempts: list[str] = []
+
+    async def stale(rid: str, *_: Any) -> AsyncIterator[Any]:
+        attempts.append(rid)
+        raise Stale()
+        yield  # an async generator, as the attempt is
+
+    monkeypatch.setattr(disp, "_attempt", stale)
+    with pytest.raises(RequestFailed) as info:
+        await run(disp, [1], 3)
+    assert info.value.status == 503 and "kept going down" in info.value.message
+    assert len(attempts) == 9 and disp.decode_stage.active == 0
+
+
+async def test_a_request_no_worker_can_ever_hold_fails_at_once_saying_why() -> None:
+    small = MemWorker("b1", "both")
+    small.total_blocks = 2
+    disp = await make([small], queues=QueueConfig(max_wait_s=0.5))
+    with pytest.raises(RequestFailed) as info:
+        await run(disp, list(range(100)), 3)
+    assert info.value.status == 503
+    assert "b1 holds 2 KV blocks, it needs" in info.value.message, info.value.message
+    assert small.generated == []
+
+
+async def test_a_request_waits_for_a_worker_that_is_down_and_comes_back() -> None:
+    b1 = MemWorker("b1", "both")
+    disp = await make([b1], health_interval_s=0.05, queues=QueueConfig(max_wait_s=30))
+    b1.fail_health = True
+    disp.pool.mark_failed("b1", "test: down for a while")
+    task = asyncio.create_task(run(disp, [1, 2], 3))
+    for _ in range(100):
+        await asyncio.sleep(0)
+    assert not task.done(), "refused at once: it should wait for a worker to come back"
+    b1.fail_health = False
+    assert await task == expected([1, 2], 3)
+
+
+async def test_a_finished_request_leaves_no_assignment_and_cancels_nothing() -> None:
+    b1 = MemWorker("b1", "both")
+    p1, d1 = MemWorker("p1", "prefill"), MemWorker("d1", "decode")
+    local = await make([b1])
+    remote = await make([p1, d1], disaggregation=REMOTE)
+    for disp, decoder, kv_from_prefill in ((local, b1, False), (remote, d1, True)):
+        for _ in range(2):
+            assert await run(disp, [3, 4], 3) == expected([3, 4], 3)
+        assert decoder.expect_remote == [kv_from_prefill] * 2
+        assert [v.assigned for v in disp.pool.snapshot()] == [0] * len(disp.pool.snapshot())
+    assert b1.cancelled == p1.cancelled == d1.cancelled == []
 
 
 async def test_retries_run_out_with_a_clear_error() -> None:
