@@ -244,7 +244,7 @@ def advise(
     raw = link.transfer_time(kv)
     pre_pool = dis_base.pools[Role.PREFILL]
     prefill_s = pre_pool.cost.step_time(typical, typical * (typical + 1) / 2, 1, 0, 0)
-    deployed = link.latency_s + kv / (link.bandwidth * dis_base.links_per_instance)
+    deployed = link.latency_s + dis_base.handoff_s(typical)
     exposed = exposed_transfer_s(deployed, prefill_s, model.layers, layerwise)
 
     col_why = diagnose(cb.config, w, slo, max(cb.rate, 1e-3) * 1.15)
