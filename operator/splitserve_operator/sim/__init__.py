@@ -1,8 +1,9 @@
 """A discrete-event simulator of splitserve's router and pools, with a roofline cost model.
 
 Pure Python plus numpy: no kopf, kubernetes, grpc or torch. Used by
-``splitserve advise`` (should this model and workload disaggregate, and with
-what prefill:decode ratio?), by the planner's closed-loop bench, and by tests.
+``splitserve advise`` (should this model and workload disaggregate, with what
+prefill:decode ratio and what tensor parallelism per pool?), by the planner's
+closed-loop bench, and by tests.
 
 May import: the standard library, numpy and the contract package ``splitserve``;
 no other room of the operator, no worker module, nor kopf, kubernetes, grpc or
@@ -38,6 +39,9 @@ From the bottom up (each imports only modules above it in this list):
 ``simulator``    :class:`Simulator`: the event loop over pools, router and
                  recorder, and the instances' :class:`Host`.
 ``goodput``      goodput search and the best prefill:decode split.
+``sizing``       the fewest GPUs (split, tensor parallelism per pool, chunk size)
+                 that serve a rate within the SLO, and the pure colocate-or-split
+                 decision.
 ``advise``       the logic behind ``splitserve advise``.
 
 Model of the system
