@@ -62,7 +62,7 @@ def test_the_rate_decides_and_the_inference_service_is_printed() -> None:
     assert "recommendation: COLOCATE on 1 GPU (1 worker of tensor parallelism 1" in text
     assert "DISAGGREGATE" not in text
     lines = text.splitlines()
-    at_rate = lines.index(next(ln for ln in lines if ln.startswith("at 19.6 req/s")))
+    at_rate = lines.index(next(ln for ln in lines if ln.startswith("at 20 req/s")))
     assert lines[at_rate + 1].split()[:3] == ["colocated", "1", "GPU"]
     assert lines[at_rate + 2].split()[:3] == ["disaggregated", "2", "GPUs"]
     assert any("req/s/GPU" in ln for ln in lines[at_rate + 3 :])  # at scale, beside it

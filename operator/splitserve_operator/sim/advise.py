@@ -547,12 +547,13 @@ def _times(gain: float) -> str:
 def workload_for_advice(
     rate: float, prompt: int, output: int, n: int = 1000, seed: int = 0
 ) -> Workload:
-    """The Poisson workload behind ``--rate --prompt-len --output-len``."""
+    """The Poisson workload behind ``--rate --prompt-len --output-len``: its arrivals
+    scaled to a mean of exactly ``rate`` (a draw of ``n`` alone lands a few percent off),
+    so the rate sized is the one asked about."""
     from splitserve_operator.sim.workload import poisson
 
-    return poisson(
-        rate, n, prompt, output, seed=seed, name=f"Poisson, prompt {prompt}, output {output}"
-    )
+    name = f"Poisson, prompt {prompt}, output {output}"
+    return poisson(rate, n, prompt, output, seed=seed, name=name).at_rate(rate)
 
 
 __all__ = ["Advice", "Diagnosis", "advise", "diagnose", "workload_for_advice"]
