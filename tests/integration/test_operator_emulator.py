@@ -403,3 +403,39 @@ def test_custom_resources_come_from_their_crds(kube_client) -> None:
     group = kube_client.request("GET", "/apis/splitserve.io/v1alpha1")
     names = {r["name"] for r in group["resources"]}
     assert {"workerpools", "workerpools/status", "workerpools/scale"} <= names
+
+
+@pytest.fixture
+def admitting_client() -> Any:
+    """A client of an emulator that validates our custom resources as the API server does
+    with the CRD installed (schema and CEL rules)."""
+    from emulator_thread import EmulatorThread
+    from splitserve_operator.control.k8s import KubeClient
+
+    with EmulatorThread(KubeEmulator(admission=True)) as kube:
+        client = KubeClient(kube.configuration(), timeout=10, user_agent="splitserve-tests")
+        yield client
+        client.close()
+
+
+def test_admission_refuses_a_tensor_parallel_size_that_does_not_divide_gpus(
+    admitting_client, inference_service
+) -> None:
+    client = admitting_client
+    bad = inference_service("tp", prefill={"gpus": 4, "tensorParallelSize": 3})
+    with pytest.raises(Invalid) as exc:
+        client.create(bad)
+    assert exc.value.status == 422
+    assert "tensorParallelSize must divide gpus" in str(exc.value), exc.value
+    assert client.get(INFERENCE_SERVICE, "default", "tp") is None
+    made = client.create(inference_service("tp", prefill={"gpus": 4, "tensorParallelSize": 2}))
+    assert made["spec"]["prefill"]["tensorParallelSize"] == 2
+    # a patch, and a server-side apply, that would break the rule change nothing
+    with pytest.raises(Invalid):
+        client.patch(INFERENCE_SERVICE, "default", "tp", {"spec": {"prefill": {"gpus": 5}}})
+    with pytest.raises(Invalid):
+        client.apply(bad, field_manager="someone")
+    assert client.get(INFERENCE_SERVICE, "default", "tp") == made
+    # the status subresource is not held to the spec's rules
+    status = client.patch_status("default", "tp", {"observedGeneration": 1})
+    assert status["status"]["observedGeneration"] == 1

@@ -44,6 +44,40 @@ def test_json_answer_for_a_poisson_workload() -> None:
     assert out["reason"]
 
 
+def test_the_rate_decides_and_the_inference_service_is_printed() -> None:
+    """The example that used to say DISAGGREGATE 5:3 (the split's goodput per GPU on 8
+    GPUs) though one colocated GPU serves 20 req/s: the rate decides now, the figures at
+    scale stand beside it, and the InferenceService printed is one the CRD accepts."""
+    import yaml
+    from crd_validation import problems
+
+    args = (
+        "--model", "llama-3.1-8b", "--gpu", "h100", "--link", "pcie4",
+        "--slo-ttft", "2", "--slo-tpot", "0.1",
+        "--rate", "20", "--prompt-len", "200", "--output-len", "200",
+    )  # fmt: skip
+    p = advise(*args)
+    assert p.returncode == 0, p.stderr
+    text, _, snippet = p.stdout.partition("\nInferenceService")
+    assert "recommendation: COLOCATE on 1 GPU (1 worker of tensor parallelism 1" in text
+    assert "DISAGGREGATE" not in text
+    lines = text.splitlines()
+    at_rate = lines.index(next(ln for ln in lines if ln.startswith("at 20 req/s")))
+    assert lines[at_rate + 1].split()[:3] == ["colocated", "1", "GPU"]
+    assert lines[at_rate + 2].split()[:3] == ["disaggregated", "2", "GPUs"]
+    assert any("req/s/GPU" in ln for ln in lines[at_rate + 3 :])  # at scale, beside it
+    service = yaml.safe_load(snippet.split("\n", 1)[1])
+    assert service["spec"]["decode"] == {"replicas": 1, "gpus": 1, "tensorParallelSize": 1}
+    assert problems(service) == []
+    out = json.loads(advise(*args, "--json").stdout)
+    assert out["recommendation"] == "colocated" and out["recommended_gpus"] == 1
+    assert out["colocated"]["at_rate"]["gpus"] == 1
+    assert out["disaggregated"]["at_rate"]["gpus"] == 2
+    assert out["disaggregated"]["goodput_rps_per_gpu"] > out["colocated"]["goodput_rps_per_gpu"]
+    assert out["tensor_parallel"] == {"prefill": 1, "decode": 1}
+    assert out["inference_service"] == service
+
+
 def test_text_answer_for_a_trace_with_mixed_gpus_and_a_config_file(tmp_path: Path) -> None:
     cfg = {
         "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,

@@ -21,7 +21,8 @@ class EmulatorThread:
     def __init__(
         self, emulator: KubeEmulator | None = None, *, host: str = "127.0.0.1", port: int = 0
     ) -> None:
-        self.emulator = emulator or KubeEmulator()
+        # an emulator holding no objects is falsy (kmock gives it a length)
+        self.emulator = emulator if emulator is not None else KubeEmulator()
         self.host = host
         self.port = port
         self.url = ""

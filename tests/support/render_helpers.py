@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 from typing import Any
@@ -68,3 +69,23 @@ def env(objs: dict[str, dict[str, Any]], pool: str) -> dict[str, Any]:
 
 def config(objs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return json.loads(objs["ConfigMap/demo-config"]["data"]["splitserve.json"])
+
+
+TP_FLAG = "--tensor-parallel-size"
+
+
+def takes_tensor_parallel(parser: argparse.ArgumentParser, args: list[str]) -> bool:
+    """Whether ``parser`` (the worker's own) reads the ``--tensor-parallel-size`` in the
+    rendered ``args``; the worker's tensor parallelism may land after the operator's."""
+    _, unknown = parser.parse_known_args(args)
+    return TP_FLAG not in unknown
+
+
+def parseable(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """Rendered ``args`` as ``parser`` can read them: without ``--tensor-parallel-size N``
+    where the worker does not take it yet (:func:`takes_tensor_parallel`); unchanged
+    otherwise, so every other flag is still checked."""
+    if TP_FLAG not in args or takes_tensor_parallel(parser, args):
+        return args
+    at = args.index(TP_FLAG)
+    return args[:at] + args[at + 2 :]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from render_helpers import container, objects
+from render_helpers import container, objects, parseable
 
 ROUTER_SETTINGS = {"disaggregation": "never", "maxModelLen": 2048, "defaultMaxTokens": 64,
                    "maxRequestBytes": 1 << 20, "maxRetries": 0}  # fmt: skip
@@ -107,7 +107,7 @@ def engine_setting(pool: str, field: str) -> Callable[[], None]:
         parser = argparse.ArgumentParser()
         worker_cmd.add_arguments(parser)
         # the worker's own CLI reads the flag, and its engine gets the value
-        parsed = vars(parser.parse_args(container(objs, pool)["args"][1:]))
+        parsed = vars(parser.parse_args(parseable(parser, container(objs, pool)["args"][1:])))
         names = ("max_num_seqs", "max_batch_tokens", "prefill_chunk_tokens",
                  "gpu_memory_fraction", "kv_cache_memory", "threads")  # fmt: skip
         kw = {k: parsed[k] for k in names}
@@ -115,7 +115,7 @@ def engine_setting(pool: str, field: str) -> Callable[[], None]:
         flag = "gpu_memory_fraction" if field == "gpuMemoryPercent" else snake(field)
         name = "num_threads" if field == "threads" else flag
         assert engine[name] == value
-        default = vars(parser.parse_args(container(objects(), pool)["args"][1:]))
+        default = vars(parser.parse_args(parseable(parser, container(objects(), pool)["args"][1:])))
         assert default[flag] != parsed[flag]
         # only this pool's workers roll
         other = "decode" if pool == "prefill" else "prefill"

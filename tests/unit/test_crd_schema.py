@@ -112,6 +112,27 @@ def test_a_minimal_resource_is_accepted_and_defaulted() -> None:
     assert problems(resource()) == []
 
 
+@pytest.mark.parametrize(
+    "pool",
+    [{"gpus": 4, "tensorParallelSize": 2}, {"gpus": 4, "tensorParallelSize": 4},
+     {"gpus": 8}, {"gpus": 0, "tensorParallelSize": 2}, {"gpus": 2, "tensorParallelSize": 1}],
+)  # fmt: skip
+def test_tensor_parallelism_that_divides_gpus_is_accepted(pool: dict[str, Any]) -> None:
+    doc = resource(prefill=pool, decode=pool)
+    assert problems(doc) == []
+    spec = parse_spec(doc["spec"], name="demo")
+    assert spec.prefill.tensor_parallel == pool.get("tensorParallelSize", pool["gpus"])
+
+
+def test_the_operator_says_which_tensor_parallel_sizes_fit() -> None:
+    raw = resource(decode={"gpus": 6, "tensorParallelSize": 4})["spec"]
+    with pytest.raises(SpecError) as caught:
+        parse_spec(raw, name="demo")
+    (problem,) = caught.value.problems
+    assert problem.startswith("spec.decode"), problem
+    assert "tensorParallelSize 4 does not divide gpus 6: set it to one of 1, 2, 3, 6" in problem
+
+
 REJECTED: list[tuple[str, dict[str, Any], str]] = [
     ("missing model", {"model": None}, "model"),
     ("missing image", {"image": None}, "image"),
@@ -127,6 +148,17 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
     ("replicas as text", {"decode": {"replicas": "2"}}, "spec.decode.replicas"),
     ("too many replicas", {"prefill": {"replicas": 5000}}, "spec.prefill.replicas"),
     ("fractional gpus", {"prefill": {"gpus": 1.5}}, "spec.prefill.gpus"),
+    (
+        "tensor parallelism that does not divide gpus",
+        {"prefill": {"gpus": 4, "tensorParallelSize": 3}},
+        "tensorParallelSize must divide gpus",
+    ),
+    (
+        "tensor parallelism above the default gpus",
+        {"decode": {"tensorParallelSize": 2}},
+        "tensorParallelSize must divide gpus",
+    ),
+    ("zero tensor parallelism", {"decode": {"tensorParallelSize": 0}}, "tensorParallelSize"),
     ("bad quantity", {"prefill": {"resources": {"limits": {"memory": "lots"}}}}, "memory"),
     (
         "gpu in resources",

@@ -329,6 +329,21 @@ def _model_cache() -> None:
     assert parser.parse_args(pod(objs, "decode")["initContainers"][0]["args"][1:]).name == "org/m"
 
 
+def _tensor_parallel(pool: str) -> Callable[[], None]:
+    def check() -> None:
+        objs = objects({pool: {"gpus": 4, "tensorParallelSize": 2}})
+        assert arg(objs, pool, "--tensor-parallel-size") == "2"
+        volumes = {v["name"]: v for v in pod(objs, pool)["volumes"]}
+        assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+        one = objects({pool: {"gpus": 4, "tensorParallelSize": 1}})
+        assert arg(one, pool, "--tensor-parallel-size") == "1"
+        assert "dshm" not in {v["name"] for v in pod(one, pool)["volumes"]}
+        other = "decode" if pool == "prefill" else "prefill"
+        assert arg(objs, other, "--tensor-parallel-size") == "1"  # gpus 1 by default
+
+    return check
+
+
 def _model_download_size_limit() -> None:
     objs = objects({"model": {"name": "m", "downloadSizeLimit": "200Gi"}})
     for pool in ("prefill", "decode", "router"):
@@ -583,6 +598,7 @@ FIELD_CHECKS: dict[str, Callable[[], None]] = {
         for pool in ("prefill", "decode")
         for field in ("resource", "count", "ipcLock")
     },
+    **{f"{pool}.tensorParallelSize": _tensor_parallel(pool) for pool in ("prefill", "decode")},
     **{
         f"{pool}.engine.gpuMemoryFraction": _deprecated(
             {pool: {"engine": {"gpuMemoryFraction": 0.85}}},

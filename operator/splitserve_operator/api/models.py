@@ -261,9 +261,32 @@ class PoolSpec(SpecModel):
 
 
 class WorkerPoolSpec(PoolSpec):
+    tensor_parallel_size: Annotated[int, Field(ge=1, le=MAX_GPUS_PER_POD)] | None = None
+    """Tensor-parallel ranks of each worker (``--tensor-parallel-size``): one engine over
+    this many of the pod's GPUs, or over CPU ranks when ``gpus`` is 0. Must divide
+    ``gpus``. ``None``: :attr:`tensor_parallel` decides (every GPU of the pod)."""
     engine: EngineSettings | None = None
     rdma: Rdma | None = None
     """An RDMA device per pod (and ``IPC_LOCK``), for NIXL over InfiniBand or RoCE."""
+
+    @model_validator(mode="after")
+    def _ranks_divide_gpus(self) -> WorkerPoolSpec:
+        tp = self.tensor_parallel_size
+        if tp is not None and self.gpus > 0 and self.gpus % tp:
+            fits = ", ".join(str(n) for n in range(1, self.gpus + 1) if self.gpus % n == 0)
+            raise ValueError(
+                f"tensorParallelSize {tp} does not divide gpus {self.gpus}: set it to one "
+                f"of {fits}, or leave it out to run one engine over all {self.gpus} GPUs"
+            )
+        return self
+
+    @property
+    def tensor_parallel(self) -> int:
+        """The worker's tensor-parallel size: ``tensorParallelSize``, else the pod's GPUs
+        (one engine over all of them), else 1 on the CPU."""
+        if self.tensor_parallel_size is not None:
+            return self.tensor_parallel_size
+        return max(1, self.gpus)
 
 
 class RouterSpec(PoolSpec):

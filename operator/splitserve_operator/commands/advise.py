@@ -1,10 +1,12 @@
-"""``splitserve advise``: should this model and workload disaggregate, and with what ratio?
+"""``splitserve advise``: should this model and workload disaggregate, with what ratio and
+what tensor parallelism per pool?
 
     splitserve advise --model llama-3.1-8b --gpu h100 --link roce400 \\
         --slo-ttft 2 --slo-tpot 0.012 --rate 4 --prompt-len 4000 --output-len 256
 
-Thin: parses arguments and calls :mod:`splitserve_operator.sim.advise`. Reads
-only the model's ``config.json`` (never loads torch or weights).
+Thin: parses arguments, calls :mod:`splitserve_operator.sim.advise` and prints its
+answer with the InferenceService it recommends (YAML). Reads only the model's
+``config.json`` (never loads torch or weights).
 """
 
 from __future__ import annotations
@@ -33,10 +35,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--rate", type=float, default=None, help="Poisson arrival rate, req/s")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (with --rate)")
     p.add_argument("--output-len", type=int, default=None, help="output tokens (with --rate)")
-    p.add_argument("--gpus", type=int, default=8, help="GPU budget to split (default 8)")
     p.add_argument(
-        "--tp", type=int, default=None, help="tensor parallelism (default: smallest that fits)"
+        "--gpus",
+        type=int,
+        default=8,
+        help="GPU budget: the most GPUs the rate is sized with, and where goodput per GPU "
+        "at scale is measured (default 8)",
     )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor parallelism of every pool (default: searched, from the smallest that "
+        "holds the weights up to 8)",
+    )
+    p.add_argument("--prefill-tp", type=int, default=None, help="the prefill pool's only")
+    p.add_argument("--decode-tp", type=int, default=None, help="the decode pool's only")
     p.add_argument("--no-layerwise", action="store_true", help="send KV only after prefill ends")
     p.add_argument("--chunk-size", type=int, action="append", default=None,
                    help="colocated chunk size to try (repeatable; default 128..2048)")  # fmt: skip
@@ -80,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
             decode_gpu=decode_gpu,
             gpus=args.gpus,
             tp=args.tp,
+            prefill_tp=args.prefill_tp,
+            decode_tp=args.decode_tp,
             layerwise=not args.no_layerwise,
             chunk_sizes=tuple(args.chunk_size) if args.chunk_size else CHUNK_SIZES,
             max_requests=args.requests,
@@ -90,5 +106,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(advice.as_dict(), indent=2))
     else:
+        import yaml
+
         print(advice.render())
+        print("\nInferenceService (set the model's source, the image and resources):")
+        print(yaml.safe_dump(advice.inference_service(), sort_keys=False).rstrip())
     return 0

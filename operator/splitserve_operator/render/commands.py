@@ -96,6 +96,7 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
         *(["--checksums"] if spec.kv_transfer.checksums else []),
         *(["--kv-streams", str(spec.kv_transfer.streams)] if spec.kv_transfer.streams else []),
         *device_args(spec, pool),
+        *tensor_parallel_args(spec, pool),
         *engine_args(spec, pool),
     ]
 
@@ -110,6 +111,27 @@ def device_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
     with an error instead of serving on the CPU), ``--device cpu`` for one without (it
     never takes a GPU the node's runtime happens to expose)."""
     return ["--device", "cuda" if spec.worker_pool(pool).gpus > 0 else "cpu"]
+
+
+def tensor_parallel_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
+    """``--tensor-parallel-size N`` for a pool with GPUs (N ranks in the pod, one engine
+    over them), and for a CPU pool that asks for ranks; nothing for a plain CPU pool."""
+    worker = spec.worker_pool(pool)
+    if worker.gpus == 0 and worker.tensor_parallel_size is None:
+        return []
+    return ["--tensor-parallel-size", str(worker.tensor_parallel)]
+
+
+SHM_BYTES_PER_RANK = 1 << 30
+"""``/dev/shm`` per tensor-parallel rank (the ``sizeLimit`` of its memory-backed
+``emptyDir``): NCCL's shared-memory transport and the CPU ranks' collectives put their
+buffers there (a few hundred MiB per peer at most), and the container runtime's
+default of 64 MiB is too small. It counts against the pod's memory."""
+
+
+def shared_memory_limit(tensor_parallel: int) -> str:
+    """The ``sizeLimit`` of a worker's ``/dev/shm`` with ``tensor_parallel`` ranks."""
+    return f"{tensor_parallel * SHM_BYTES_PER_RANK >> 30}Gi"
 
 
 def engine_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:

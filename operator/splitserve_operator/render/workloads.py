@@ -97,9 +97,11 @@ def _volumes(
         claim = {"claimName": spec.model.claim[0], "readOnly": True}
         volumes.append({"name": "model", "persistentVolumeClaim": claim})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
-    if pool != Pool.ROUTER:
-        # torch's DataLoader and NCCL use shared memory; the default 64 MiB is too small.
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    ranks = spec.worker_pool(pool).tensor_parallel if pool != Pool.ROUTER else 1
+    if ranks > 1:
+        # the ranks' collectives (NCCL, or gloo on the CPU) go through shared memory
+        limit = commands.shared_memory_limit(ranks)
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": limit}})
         mounts.append({"name": "dshm", "mountPath": commands.SHM_DIR})
     overlay = spec.pool(pool).pod_template
     if overlay is not None:

@@ -1,8 +1,9 @@
 """A discrete-event simulator of splitserve's router and pools, with a roofline cost model.
 
 Pure Python plus numpy: no kopf, kubernetes, grpc or torch. Used by
-``splitserve advise`` (should this model and workload disaggregate, and with
-what prefill:decode ratio?), by the planner's closed-loop bench, and by tests.
+``splitserve advise`` (should this model and workload disaggregate, with what
+prefill:decode ratio and what tensor parallelism per pool?), by the planner's
+closed-loop bench, and by tests.
 
 May import: the standard library, numpy and the contract package ``splitserve``;
 no other room of the operator, no worker module, nor kopf, kubernetes, grpc or
@@ -21,7 +22,8 @@ From the bottom up (each imports only modules above it in this list):
 ``synth``        day-long Mooncake-like and Azure-like traces drawn here.
 ``prefix``       the LRU prefix cache of 512-token blocks (``hash_ids``).
 ``cost``         :class:`CostModel` (Protocol), :class:`RooflineCost`,
-                 :class:`MeasuredCost`, KV transfer timing (layer-wise or not).
+                 :class:`MeasuredCost`, KV transfer timing (layer-wise or not), and
+                 the fan-out of a handoff between tensor-parallel layouts.
 ``config``       :class:`SimConfig` (pools, replicas, link, chunk size, ...),
                  :func:`roofline_config`.
 ``metrics``      :class:`Window` observations, :class:`SimResult`.
@@ -37,6 +39,9 @@ From the bottom up (each imports only modules above it in this list):
 ``simulator``    :class:`Simulator`: the event loop over pools, router and
                  recorder, and the instances' :class:`Host`.
 ``goodput``      goodput search and the best prefill:decode split.
+``sizing``       the fewest GPUs (split, tensor parallelism per pool, chunk size)
+                 that serve a rate within the SLO, and the pure colocate-or-split
+                 decision.
 ``advise``       the logic behind ``splitserve advise``.
 
 Model of the system
@@ -53,10 +58,17 @@ Model of the system
 - Colocated: ``both`` instances run vLLM-style chunked prefill: each step
   carries every running decode plus prompt chunks up to ``chunk_size`` tokens.
 - Disaggregated: prefill instances batch queued prompts (up to
-  ``max_prefill_tokens``) and push the KV over the link (FIFO per instance,
-  ``links_per_instance`` links in parallel, layer-wise overlap optional); the
+  ``max_prefill_tokens``) and push the KV over the link (FIFO per instance, a link
+  per rank unless ``link_per_rank`` is off, layer-wise overlap optional); the
   first token reaches the client when the KV has landed
   (``first_token_after_transfer``); decode instances run continuous batching.
+- Tensor parallelism per pool: an instance of ``tp`` GPUs splits the matmuls, the
+  attention heads and the KV (replicated where ``tp`` exceeds the KV heads) and pays
+  two all-reduces per layer per step; prefill and decode may differ. A handoff from
+  ``p`` prefill ranks to ``d`` decode ranks sends each decode rank the heads it owns
+  from a prefill rank holding them (:func:`~.cost.kv_fanout`): with a link per rank the
+  busiest rank of either side sets the time, so P(tp2) to D(tp1) takes as long as one
+  rank's link moving all the KV.
 - The router sends a new request to the active instance with the fewest
   pending prompt tokens minus its prefix-cache hit (Mooncake ``hash_ids``), and
   a landed KV to the decode instance with the least KV reserved. With

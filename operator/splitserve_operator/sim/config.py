@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from splitserve_operator.sim.cost import CostModel, RooflineCost
+from splitserve_operator.sim.cost import CostModel, RooflineCost, handoff_bytes_s, kv_fanout
 from splitserve_operator.sim.hardware import GpuSpec, LinkSpec
 from splitserve_operator.sim.model_spec import ModelSpec
 
@@ -64,8 +64,9 @@ class SimConfig:
     """Instances of each pool at time zero."""
     link: LinkSpec | None = None
     """Prefill-to-decode KV path (disaggregated only)."""
-    links_per_instance: int = 1
-    """Parallel links one prefill instance sends over (one per GPU with per-GPU NICs)."""
+    link_per_rank: bool = True
+    """Each tensor-parallel rank has its own path (per-GPU NICs, NVLink): a handoff takes
+    as long as its busiest rank's share on one ``link``. False: one link per worker."""
     layerwise: bool = True
     """Stream KV layer by layer while prefill runs (else send it all after prefill)."""
     chunk_size: int = 512
@@ -110,6 +111,20 @@ class SimConfig:
     def gpus(self) -> int:
         """GPUs of the initial replicas."""
         return sum(self.replicas.get(r, 0) * p.tp for r, p in self.pools.items())
+
+    def handoff_s(self, prompt_tokens: int) -> float:
+        """Seconds the KV of ``prompt_tokens`` occupies the link from a prefill worker to
+        a decode worker (the fixed latency aside): each prefill rank sends each decode
+        rank the heads it owns (:func:`~splitserve_operator.sim.cost.kv_fanout`)."""
+        if self.link is None:
+            raise ConfigError("a colocated configuration hands no KV off")
+        fanout = kv_fanout(
+            self.model.kv_heads, self.pools[Role.PREFILL].tp, self.pools[Role.DECODE].tp
+        )
+        head_bytes = prompt_tokens * self.model.kv_bytes_per_token_per_head
+        return handoff_bytes_s(
+            fanout, head_bytes, self.link.bandwidth, link_per_rank=self.link_per_rank
+        )
 
     def with_replicas(self, **replicas: int) -> SimConfig:
         return replace(
@@ -210,30 +225,32 @@ def roofline_config(
     link: LinkSpec | None = None,
     decode_gpu: GpuSpec | None = None,
     tp: int | None = None,
+    prefill_tp: int | None = None,
+    decode_tp: int | None = None,
     prefill: int = 1,
     decode: int = 1,
     both: int = 1,
     **knobs: object,
 ) -> SimConfig:
     """Roofline pools for ``mode``: ``gpu`` runs prefill (or both), ``decode_gpu``
-    (default ``gpu``) runs decode. ``knobs`` are further :class:`SimConfig` fields."""
+    (default ``gpu``) runs decode; ``tp`` is every pool's tensor parallelism unless
+    ``prefill_tp`` or ``decode_tp`` says otherwise (``None``: the smallest that fits,
+    :func:`pick_tp`). ``knobs`` are further :class:`SimConfig` fields."""
+    pools: dict[Role, PoolConfig]
     if mode is Mode.COLOCATED:
         pools = {Role.BOTH: roofline_pool(model, gpu, tp)}
         replicas = {Role.BOTH: both}
     else:
         dg = decode_gpu or gpu
         pools = {
-            Role.PREFILL: roofline_pool(model, gpu, tp),
-            Role.DECODE: roofline_pool(model, dg, tp),
+            Role.PREFILL: roofline_pool(model, gpu, prefill_tp or tp),
+            Role.DECODE: roofline_pool(model, dg, decode_tp or tp),
         }
         replicas = {Role.PREFILL: prefill, Role.DECODE: decode}
-    links = pools.get(Role.PREFILL, pools.get(Role.BOTH))
-    assert links is not None
     return SimConfig(
         model=model,
         pools=pools,
         replicas=replicas,
         link=link,
-        links_per_instance=links.tp,
         **knobs,  # type: ignore[arg-type]
     )

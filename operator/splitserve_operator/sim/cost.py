@@ -1,4 +1,5 @@
-"""How long one engine step takes: the roofline, or costs measured on a real engine.
+"""How long one engine step takes (the roofline, or costs measured on a real engine), and
+how long a KV handoff between two tensor-parallel layouts takes.
 
 A *step* is one forward pass of one engine instance over a batch that may mix
 prefill tokens (new prompt tokens, possibly a chunk of a prompt) and decode
@@ -29,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Protocol
 
 from splitserve_operator.sim.hardware import GpuSpec
@@ -303,3 +305,74 @@ def transfer_end(
 def exposed_transfer_s(transfer_s: float, prefill_s: float, layers: int, layerwise: bool) -> float:
     """Delay a transfer adds after prefill ends, on an idle link."""
     return transfer_end(0.0, 0.0, prefill_s, transfer_s, layers, layerwise) - prefill_s
+
+
+def rank_heads(kv_heads: int, tp: int, rank: int) -> range:
+    """The KV heads rank ``rank`` of ``tp`` holds: an even share when ``tp`` is at most
+    ``kv_heads``, else one head, each head replicated on ``tp / kv_heads`` ranks (as the
+    engine shards them)."""
+    if tp <= kv_heads:
+        return range(rank * kv_heads // tp, (rank + 1) * kv_heads // tp)
+    head = rank * kv_heads // tp
+    return range(head, head + 1)
+
+
+@dataclass(frozen=True)
+class KvFanout:
+    """Who sends what in a handoff from a prefill worker of ``prefill_tp`` ranks to a
+    decode worker of ``decode_tp``: each decode rank receives the heads it owns, each
+    straight from a prefill rank that holds it (a replicated head's copies share the
+    sending), so ``p != d`` fans out or in, and nothing is gathered through one rank.
+    Counts are in heads of one token's KV over all layers."""
+
+    prefill_tp: int
+    decode_tp: int
+    sent: tuple[int, ...]
+    """Heads each prefill rank sends."""
+    received: tuple[int, ...]
+    """Heads each decode rank receives."""
+    pairs: int
+    """(prefill rank, decode rank) pairs that exchange heads: the streams of a handoff."""
+
+    @property
+    def busiest_rank(self) -> int:
+        """Heads through the busiest rank of either side: with a link per rank it sets
+        the handoff's time."""
+        return max(*self.sent, *self.received)
+
+    @property
+    def total(self) -> int:
+        """Heads moved in all (more than the model's KV heads where decode replicates)."""
+        return sum(self.received)
+
+
+@cache
+def kv_fanout(kv_heads: int, prefill_tp: int, decode_tp: int) -> KvFanout:
+    """The :class:`KvFanout` of a ``prefill_tp`` to ``decode_tp`` handoff."""
+    if kv_heads < 1 or prefill_tp < 1 or decode_tp < 1:
+        raise ValueError("kv_heads and both tensor-parallel sizes must be at least 1")
+    owners: dict[int, list[int]] = {}
+    for i in range(prefill_tp):
+        for h in rank_heads(kv_heads, prefill_tp, i):
+            owners.setdefault(h, []).append(i)
+    sent = [0] * prefill_tp
+    received = [0] * decode_tp
+    pairs: set[tuple[int, int]] = set()
+    for j in range(decode_tp):
+        for h in rank_heads(kv_heads, decode_tp, j):
+            holders = owners[h]
+            i = holders[j % len(holders)]
+            sent[i] += 1
+            received[j] += 1
+            pairs.add((i, j))
+    return KvFanout(prefill_tp, decode_tp, tuple(sent), tuple(received), len(pairs))
+
+
+def handoff_bytes_s(
+    fanout: KvFanout, head_bytes: float, bandwidth: float, *, link_per_rank: bool
+) -> float:
+    """Seconds a handoff's bytes occupy the path: ``head_bytes`` is one head's KV of the
+    prompt (all layers, K and V). With a link per rank (per-GPU NICs, NVLink) the
+    busiest rank of either side sets the time; with one link per worker, all of it."""
+    heads = fanout.busiest_rank if link_per_rank else max(sum(fanout.sent), fanout.total)
+    return heads * head_bytes / bandwidth

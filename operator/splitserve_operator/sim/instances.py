@@ -168,9 +168,8 @@ class PrefillInstance(Instance):
         batch = self.running
         link = cfg.link
         assert link is not None
-        kv_bytes = sum(r.prompt for r in batch) * cfg.model.kv_bytes_per_token
         # bytes occupy the link (FIFO); the fixed latency does not
-        transfer_s = kv_bytes / (link.bandwidth * cfg.links_per_instance)
+        transfer_s = cfg.handoff_s(sum(r.prompt for r in batch))
         end = transfer_end(
             self.link_free, self.t_start, now, transfer_s, cfg.model.layers, cfg.layerwise
         )

@@ -123,6 +123,12 @@ class ModelSpec:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
 
+    @property
+    def kv_bytes_per_token_per_head(self) -> int:
+        """One KV head's K and V of one token over all layers: what a handoff moves per
+        head (:func:`~splitserve_operator.sim.cost.kv_fanout`)."""
+        return 2 * self.layers * self.head_dim * self.dtype_bytes
+
     def kv_heads_per_gpu(self, tp: int) -> int:
         """KV heads each of ``tp`` GPUs holds (heads are replicated when ``tp`` exceeds them)."""
         return max(1, math.ceil(self.kv_heads / tp))
