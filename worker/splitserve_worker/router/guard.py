@@ -127,6 +127,8 @@ class CorrectnessGuard:
         self.config = config
         self._conn_of = conn_of
         self._checks = metrics.counter(GUARD_CHECKS)
+        for outcome in Outcome:  # every series from the start: a first mismatch is an increase
+            self._checks.labels(outcome=outcome.value)
         self._timeout_s = timeout_s
         self._clock = clock
         self._sampler = Sampler(config.sample_share, config.min_interval_s)
