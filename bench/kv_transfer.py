@@ -10,7 +10,10 @@
    (4 MiB spans) to the decode side's tcp KV port (the worker's ``TcpServer``, receiving
    each payload into the reserved blocks) or its gRPC server. TCP: ``sendall`` of 1 MiB
    slices, ``recv_into`` one preallocated buffer, one byte back when all arrived. The
-   runs of all four are interleaved, so load on the host hits them alike.
+   runs of all four are interleaved, so load on the host hits them alike. Beside them,
+   the ``tcp`` backend with the workers' default sampled checksums (one span in
+   ``--checksum-every``, 64, carries its crc32) and with every span checksummed
+   (``--checksums``), against it with none.
 2. ``nixl`` backend vs a shared-memory copy: the same 256 MiB written by
    ``NixlSender`` into the receiver process's registered pool (UCX picks CMA or TCP on
    one host), against one ``copy_`` of the bytes into a POSIX shared-memory segment.
@@ -22,8 +25,9 @@
    whole transfer time (both from the PrefillResponse timings, summed over repeats).
 
 Ends with ``RESULT tcp_vs_raw=<r> tls_vs_tcp=<r> grpc_vs_tcp=<r> nixl_vs_shm=<r>
-exposed_fraction=<f>`` (targets: tcp_vs_raw >= 0.8, nixl_vs_shm >= 0.5,
-exposed_fraction <= 0.2; TLS and grpc are reported, their cost is what they buy).
+exposed_fraction=<f> sampled_crc_vs_off=<r> all_crc_vs_off=<r>`` (targets: tcp_vs_raw >=
+0.8, nixl_vs_shm >= 0.5, exposed_fraction <= 0.2, sampled_crc_vs_off >= 0.97; TLS, grpc
+and full checksums are reported, their cost is what they buy).
 
 ``--streams N`` pushes over N connections (default: what a worker on this host uses,
 2 on 8 or more cores, else 1).
@@ -226,7 +230,8 @@ class BackendRun:
 
     def __init__(
         self, backend: str, src: torch.Tensor, blocks: list[int], streams: int = 0,
-        tls: tuple[str, str, str] | None = None,
+        tls: tuple[str, str, str] | None = None, checksum_every: int = 0,
+        checksums: bool = False,
     ) -> None:  # fmt: skip
         from splitserve_worker.kv.tcp_tls import TlsConfig
         from splitserve_worker.kv.transport import BackendContext, create_sender_backend
@@ -243,7 +248,8 @@ class BackendRun:
         self._compat = _compat()
         sender_tls = TlsConfig(ca_file=tls[2]) if tls else None
         sender_ctx = BackendContext(compat=self._compat, token=TOKEN, streams=streams,
-                                    tls=sender_tls)  # fmt: skip
+                                    tls=sender_tls, checksum_every=checksum_every,
+                                    checksums=checksums)  # fmt: skip
         self._sender = create_sender_backend(backend, sender_ctx)
         self._backend, self._i = backend, 0
         # per layer, fresh K and V tensors: what the engine's layer-wise prefill hands over
@@ -351,6 +357,8 @@ def main() -> None:
         help="the receiving block table: the allocator's after churn, or fixed",
     )
     ap.add_argument("--streams", type=int, default=0, help="connections per push (0: as a worker)")
+    ap.add_argument("--checksum-every", type=int, default=64,
+                    help="spans per sampled crc32, as the workers' --checksum-every")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(1)
     from splitserve_worker.kv.transport import unavailable_reason
@@ -375,6 +383,15 @@ def main() -> None:
     print(cpu_report("tcp", tcp, "plain TCP", raw, NBYTES), flush=True)
     print(cpu_report("TLS", tls, "tcp", tcp, NBYTES), flush=True)
     print(cpu_report("grpc", grpc, "tcp", tcp, NBYTES), flush=True)
+    off, sampled, every = side_by_side([
+        BackendRun("tcp", src, blocks, streams),
+        BackendRun("tcp", src, blocks, streams, checksum_every=args.checksum_every),
+        BackendRun("tcp", src, blocks, streams, checksums=True)], args.repeats)  # fmt: skip
+    print(f"tcp backend, checksums off {off.gbs:.2f} GB/s   one span in {args.checksum_every} "
+          f"checksummed {sampled.gbs:.2f} GB/s   every span {every.gbs:.2f} GB/s",
+          flush=True)  # fmt: skip
+    print(cpu_report("sampled crc32", sampled, "none", off, NBYTES), flush=True)
+    print(cpu_report("every crc32", every, "none", off, NBYTES), flush=True)
     nixl_reason = unavailable_reason("nixl")
     if nixl_reason:
         nixl_gbs, shm = float("nan"), side_by_side([ShmRun(src)], args.repeats)[0]
@@ -392,7 +409,8 @@ def main() -> None:
               f"{exposed:.4f} of the transfer time", flush=True)  # fmt: skip
     print(f"RESULT tcp_vs_raw={tcp.gbs / raw.gbs:.3f} tls_vs_tcp={tls.gbs / tcp.gbs:.3f} "
           f"grpc_vs_tcp={grpc.gbs / tcp.gbs:.3f} nixl_vs_shm={nixl_gbs / shm.gbs:.3f} "
-          f"exposed_fraction={exposed:.4f}")  # fmt: skip
+          f"exposed_fraction={exposed:.4f} sampled_crc_vs_off={sampled.gbs / off.gbs:.3f} "
+          f"all_crc_vs_off={every.gbs / off.gbs:.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -85,6 +85,20 @@ ROUTER_RETRIES = MetricSpec(
     "Retries and migrations after a worker failure.",
     ("reason",),
 )
+GUARD_CHECKS = MetricSpec(
+    PREFIX + "guard_checks_total",
+    Kind.COUNTER,
+    "Disaggregated greedy requests the correctness guard re-ran with local prefill, by "
+    "outcome: match, mismatch (the KV that moved decoded other tokens), failed (no "
+    "verdict), skipped (every re-run slot was busy).",
+    ("outcome",),
+)
+PLANNED_REMOTE_RAN_LOCAL = MetricSpec(
+    PREFIX + "planned_remote_ran_local_total",
+    Kind.COUNTER,
+    "Requests first planned for remote prefill that finished prefilled on their decode "
+    "worker (planned again once a prefill slot came, or retried after a failed handoff).",
+)
 
 # ---- workers ----
 RUNNING = MetricSpec(

@@ -83,7 +83,13 @@ def test_prometheus_unreachable_holds_and_says_so(
     assert deployment is not None and deployment["spec"]["replicas"] == 2
     # the operator's own conditions are still there next to ours
     types = {c["type"] for c in _service(kube_client)["status"]["conditions"]}
-    assert {"Ready", "Progressing", "Degraded", "ScalingActive"} <= types
+    assert {"Ready", "Progressing", "Degraded", "ScalingActive", "KVIntegrity"} <= types
+    # and without Prometheus nobody can say whether moved KV decodes right
+    (integrity,) = [
+        c for c in _service(kube_client)["status"]["conditions"] if c["type"] == "KVIntegrity"
+    ]
+    assert (integrity["status"], integrity["reason"]) == ("Unknown", "MetricsUnavailable")
+    assert "unreachable" in integrity["message"]
 
 
 def test_prometheus_without_data_holds_until_series_exist(

@@ -61,6 +61,8 @@ class MemWorker:
         self.tokens_out = 0  # tokens its streams have yielded, all together
         self.fail_prefill_with: BaseException | None = None  # raised as it is, by prefill
         self.total_blocks = 100
+        self.recomputed: list[bool] = []  # per generate call: asked to recompute its prompt
+        self.diverge_remote = False  # a stream on pushed KV yields other tokens (corrupt KV)
 
     def restart(self) -> None:
         """A new process at the same address: another instance, failing nothing."""
@@ -121,11 +123,13 @@ class MemWorker:
         sampling: SamplingParams,
         expect_remote_kv: bool,
         timeout: float,
+        recompute_prompt: bool = False,
     ) -> AsyncIterator[pb.TokenChunk]:
         sampling_to_proto(sampling)  # as the client builds the call
         self.generated.append((request_id, tuple(prompt), sampling.max_tokens))
         self.generate_sampling.append(sampling)
         self.expect_remote.append(expect_remote_kv)
+        self.recomputed.append(recompute_prompt)
         seq = list(prompt)
         self.streams_open += 1
         try:
@@ -136,7 +140,8 @@ class MemWorker:
                     raise rpc_error(self.fail_code, "stream broke")
                 if self.stall is not None:
                     await self.stall.wait()
-                seq.append(next_token(seq))
+                wrong = expect_remote_kv and self.diverge_remote and i == 0
+                seq.append(next_token(seq) + (1 if wrong else 0))
                 self.tokens_out += 1
                 last = i == sampling.max_tokens - 1
                 yield pb.TokenChunk(

@@ -59,8 +59,16 @@ class ScrapeTarget:
 
 
 class PrometheusServer:
-    def __init__(self, workdir: Path, binary: str | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        binary: str | None = None,
+        rules: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``rules``: a rule file's content (``{"groups": [...]}``) to evaluate every
+        second, as a PrometheusRule's ``spec`` holds it."""
         self.workdir = workdir
+        self.rules = rules
         self.binary = binary or prometheus_binary()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -73,9 +81,15 @@ class PrometheusServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.set_targets([])
         config = self.workdir / "prometheus.yml"
+        rule_files: list[str] = []
+        if self.rules is not None:
+            rules_file = self.workdir / "rules.json"
+            rules_file.write_text(json.dumps(self.rules))  # JSON is YAML
+            rule_files.append(str(rules_file))
         config.write_text(
             json.dumps(
                 {  # JSON is YAML
+                    "rule_files": rule_files,
                     "global": {
                         "scrape_interval": SCRAPE_INTERVAL,
                         "scrape_timeout": SCRAPE_INTERVAL,
@@ -131,6 +145,12 @@ class PrometheusServer:
         response = self._http.get(f"{self.url}/api/v1/query", params={"query": promql})
         payload: dict[str, Any] = response.json()
         return payload
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """The alerts Prometheus holds now (``/api/v1/alerts``), pending and firing."""
+        payload = self._http.get(f"{self.url}/api/v1/alerts").json()
+        assert payload.get("status") == "success", payload
+        return list(payload["data"]["alerts"])
 
     def value(self, promql: str) -> float | None:
         return parse_scalar(self.query(promql))

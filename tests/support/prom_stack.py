@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import secrets
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -22,12 +23,19 @@ READY = "READY "
 
 
 class Proc:
-    def __init__(self, name: str, argv: Sequence[str], log: Path) -> None:
+    def __init__(
+        self, name: str, argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None
+    ) -> None:
         self.name = name
         self.log = log
         self._file = log.open("w")
         self.proc = subprocess.Popen(
-            list(argv), stdout=subprocess.PIPE, stderr=self._file, text=True, bufsize=1
+            list(argv),
+            stdout=subprocess.PIPE,
+            stderr=self._file,
+            text=True,
+            bufsize=1,
+            env={**os.environ, **env} if env is not None else None,
         )
         self.lines: list[str] = []
         self.ready = threading.Event()
@@ -64,10 +72,24 @@ class Proc:
 class LiveStack:
     """prefill + decode workers and a router, all real processes."""
 
-    def __init__(self, model: Path, workdir: Path, labels: dict[str, str]) -> None:
+    def __init__(
+        self,
+        model: Path,
+        workdir: Path,
+        labels: dict[str, str],
+        *,
+        worker_args: Sequence[str] = (),
+        worker_env: Mapping[str, str] | None = None,
+        router_args: Sequence[str] = (),
+    ) -> None:
+        """``worker_args``, ``worker_env``: more flags and environment for both workers
+        (a fault knob); ``router_args``: more flags for the router (``--set ...``)."""
         self.model = model
         self.workdir = workdir
         self.labels = labels
+        self.worker_args = list(worker_args)
+        self.worker_env = worker_env
+        self.router_args = list(router_args)
         self.procs: list[Proc] = []
         self.metrics_ports: dict[str, int] = {}
         self.router_port = free_port()
@@ -91,9 +113,10 @@ class LiveStack:
                 self._cli(
                     "worker", "--role", role, "--model", str(self.model), "--dtype", "float32",
                     "--port", "0", "--metrics-port", str(port), "--token-file", str(token),
-                    "--threads", "1",
+                    "--threads", "1", *self.worker_args,
                 ),
                 self.workdir / f"{role}.log",
+                self.worker_env,
             )  # fmt: skip
             self.procs.append(proc)
         for proc in self.procs:
@@ -104,6 +127,7 @@ class LiveStack:
             self._cli(
                 "router", "--model", str(self.model), "--port", str(self.router_port),
                 "--workers", workers, "--token-file", str(token), "--log-level", "warning",
+                *self.router_args,
             ),
             self.workdir / "router.log",
         )  # fmt: skip

@@ -77,6 +77,27 @@ def test_out_of_blocks_preempts_the_newest_and_it_recomputes() -> None:
     assert new.num_output >= 1  # keeps what it generated; recomputes it all when readmitted
 
 
+def test_a_sequence_that_asks_to_recompute_its_prompt_reads_no_cached_block() -> None:
+    cfg = EngineConfig(block_size=4, max_num_seqs=4, max_batch_tokens=32, prefill_chunk_tokens=32)
+    pool = BlockPool(16)
+    s = Scheduler(cfg, pool)
+    a = _seq("a", 10)  # its blocks registered, as pushed KV is when committed
+    s.add(a)
+    _advance(s)
+    b = _seq("b", 10)
+    b.reuse_prefix = False  # the correctness guard's re-run
+    s.add(b)
+    plan = s.schedule()
+    assert plan.prefix_hit == 0 and b.num_computed == 0 and b.num_cached_tokens == 0
+    (mine,) = [sc for sc in plan.scheduled if sc.seq is b]  # a decodes beside it
+    assert mine.num_tokens == 10
+    assert not set(b.block_table) & set(a.block_table), "it shares a block of the cached KV"
+    s.remove(a)
+    s.remove(b)
+    assert pool.free_blocks == 16
+    pool.check_invariants()
+
+
 def test_prefix_hit_reuses_blocks_and_counts() -> None:
     cfg = EngineConfig(block_size=4, max_num_seqs=4, max_batch_tokens=32, prefill_chunk_tokens=32)
     pool = BlockPool(16)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
+from splitserve_operator.api.status import KV_INTEGRITY
 from splitserve_operator.control.autoscaling.config import AutoscaleConfig
 from splitserve_operator.control.autoscaling.loop import Autoscaler
 from splitserve_operator.control.autoscaling.metrics import OperatorMetrics
@@ -94,6 +95,14 @@ class FakeSource:
     def __init__(self) -> None:
         self.obs: Observation | Exception = Observation(**CALM)  # type: ignore[arg-type]
         self.targets: list[Target] = []
+        self.mismatches: float | Exception | None = 0.0
+        self.windows: list[float] = []
+
+    def kv_mismatches(self, target: Target, window_s: float) -> float | None:
+        self.windows.append(window_s)
+        if isinstance(self.mismatches, Exception):
+            raise self.mismatches
+        return self.mismatches
 
     def observe(self, target: Target) -> Observation:
         self.targets.append(target)
@@ -163,7 +172,9 @@ def test_a_tpot_breach_scales_decode_and_says_why(rig: Any) -> None:
     assert decode["reason"] == "SLOBreach" and decode["desiredReplicas"] == 3
     assert decode["sloRatio"] == 1.5 and decode["lastScaleTime"] == "2026-11-29T10:00:00Z"
     assert patch["autoscaling"]["metricsAvailable"] is True
-    (cond,) = patch["conditions"]  # its own condition only: the server merges by type
+    # its own conditions only: the server merges them with the reconciler's by type
+    assert {c["type"] for c in patch["conditions"]} == {CONDITION, KV_INTEGRITY}
+    (cond,) = [c for c in patch["conditions"] if c["type"] == CONDITION]
     assert (cond["type"], cond["status"], cond["reason"]) == (CONDITION, "True", "MetricsAvailable")
     assert cluster.events == [("Normal", "ScaledUp", cluster.events[0][2])]
     assert "decode 2 -> 3: SLOBreach" in cluster.events[0][2]
@@ -257,7 +268,7 @@ def test_a_pool_someone_else_scales_is_reported_not_fought(rig: Any) -> None:
     result = scaler.tick(service())
     assert result is not None
     assert cluster.pool_applies == []  # kubectl's 4 stays
-    (cond,) = cluster.status_applies[-1]["conditions"]
+    (cond,) = [c for c in cluster.status_applies[-1]["conditions"] if c["type"] == CONDITION]
     assert (cond["status"], cond["reason"]) == ("False", "ScaledOutside")
     assert "scaled by kubectl" in cond["message"] and "chat-decode" in cond["message"]
     assert cluster.status_applies[-1]["autoscaling"]["pools"]["decode"]["reason"] == (
@@ -272,3 +283,59 @@ def test_a_pool_someone_else_scales_is_reported_not_fought(rig: Any) -> None:
     clock.t += 30
     scaler.tick(service())
     assert cluster.pool_applies and cluster.pool_applies[-1][0] == "chat-decode"
+
+
+def _integrity(cluster: FakeCluster) -> dict[str, Any]:
+    (cond,) = [c for c in cluster.status_applies[-1]["conditions"] if c["type"] == KV_INTEGRITY]
+    return dict(cond)
+
+
+def test_kv_integrity_follows_the_guards_mismatches(rig: Any) -> None:
+    scaler, cluster, source, clock = rig
+    scaler.tick(service())
+    first = _integrity(cluster)
+    assert (first["status"], first["reason"]) == ("True", "NoMismatch")
+    assert "600s" in first["message"] and source.windows == [600.0]
+    assert first["observedGeneration"] == 3
+    source.mismatches = 2.0
+    clock.t += 30
+    scaler.tick(service())
+    bad = _integrity(cluster)
+    assert (bad["status"], bad["reason"]) == ("False", "GuardMismatch")
+    assert "saw 2 disaggregated request(s) in the last 600s" in bad["message"]
+    assert "correctness guard: request" in bad["message"]  # where to look
+    # the mismatches age out of the window: True again
+    source.mismatches = 0.0
+    clock.t += 30
+    scaler.tick(service())
+    assert _integrity(cluster)["status"] == "True"
+
+
+def test_kv_integrity_is_unknown_without_prometheus_or_the_guards_series(rig: Any) -> None:
+    scaler, cluster, source, clock = rig
+    source.mismatches = None  # the router's guard series are not scraped
+    scaler.tick(service())
+    cond = _integrity(cluster)
+    assert (cond["status"], cond["reason"]) == ("Unknown", "MetricsUnavailable")
+    assert "no correctness guard series" in cond["message"]
+    source.mismatches = MetricsUnavailable("Prometheus at http://prom:9090 unreachable: refused")
+    source.obs = MetricsUnavailable("Prometheus at http://prom:9090 unreachable: refused")
+    clock.t += 30
+    scaler.tick(service())
+    cond = _integrity(cluster)
+    assert cond["status"] == "Unknown" and "unreachable" in cond["message"]
+
+
+def test_kv_integrity_keeps_its_transition_time_while_it_holds() -> None:
+    from splitserve_operator.api.status import kv_integrity_condition
+
+    t0 = dt.datetime(2026, 11, 29, 10, 0, tzinfo=dt.UTC)
+    first = kv_integrity_condition(1.0, "10m", None, generation=1, now=t0)
+    later = kv_integrity_condition(
+        3.0, "10m", None, generation=1, now=t0 + dt.timedelta(minutes=1), previous=[first]
+    )
+    assert later["lastTransitionTime"] == first["lastTransitionTime"] == "2026-11-29T10:00:00Z"
+    flipped = kv_integrity_condition(
+        0.0, "10m", None, generation=1, now=t0 + dt.timedelta(minutes=2), previous=[later]
+    )
+    assert flipped["status"] == "True" and flipped["lastTransitionTime"] == "2026-11-29T10:02:00Z"

@@ -209,14 +209,17 @@ class WorkerClient:
         sampling: SamplingParams | pb.SamplingParams,
         expect_remote_kv: bool = False,
         timeout: float | None = None,
+        recompute_prompt: bool = False,
     ) -> AsyncIterator[pb.TokenChunk]:
         """Token chunks until one has ``finish_reason``. Leaving early cancels the call,
-        and the worker then aborts the request and frees its blocks."""
+        and the worker then aborts the request and frees its blocks. ``recompute_prompt``:
+        the worker prefills the whole prompt itself, reading no cached prefix block."""
         req = pb.GenerateRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt),
             sampling=sampling_to_proto(sampling),
             expect_remote_kv=expect_remote_kv,
+            recompute_prompt=recompute_prompt,
         )
         call = self._stub.Generate(req, metadata=self._md, timeout=timeout)
         try:

@@ -313,7 +313,8 @@ class KvTransferSpec(SpecModel):
     """How long a decode worker holds blocks reserved for a transfer that has not
     finished; an expired lease frees them."""
     checksums: bool = False
-    """A crc32 per pushed layer, checked on arrival (catches corruption; costs a pass)."""
+    """A crc32 on every pushed span and per layer at Commit (catches any corruption; costs
+    a pass). Off, the workers still check a sampled one span in 64 (``tcp``, ``grpc``)."""
     streams: Annotated[int, Field(ge=0, le=MAX_KV_STREAMS)] = 0
     """Connections a ``grpc`` push uses; 0: by the prefill pod's cores (2 on 8 or more)."""
 

@@ -37,7 +37,66 @@ PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 OWN_CONDITIONS = (READY, PROGRESSING, DEGRADED)
 """The condition types the reconciler writes (others, such as the planner's
-``ScalingActive``, are their writers' own)."""
+``ScalingActive`` and ``KVIntegrity``, are their writers' own)."""
+KV_INTEGRITY = "KVIntegrity"
+"""Whether the router's correctness guard found disaggregated requests decoding other
+tokens than the same requests prefilled on their decode worker, over a recent window:
+written by the autoscaling loop from Prometheus."""
+
+
+class IntegrityReason(StrEnum):
+    VERIFIED = "NoMismatch"
+    MISMATCH = "GuardMismatch"
+    UNKNOWN = "MetricsUnavailable"
+
+
+def kv_integrity_condition(
+    mismatches: float | None,
+    window: str,
+    unknown_why: str | None,
+    *,
+    generation: int,
+    now: datetime,
+    previous: Sequence[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
+    """``KVIntegrity`` from the guard's mismatches over ``window`` (a duration such as
+    ``10m``): False when there were any, True when there were none, Unknown when they
+    could not be read (``unknown_why``)."""
+    if unknown_why is not None or mismatches is None:
+        value, reason = "Unknown", IntegrityReason.UNKNOWN.value
+        message = (
+            "cannot tell whether moved KV decodes right: "
+            f"{unknown_why or 'no correctness guard series in Prometheus'}; the router's "
+            "splitserve_guard_checks_total must be scraped"
+        )
+    elif mismatches > 0:
+        value, reason = "False", IntegrityReason.MISMATCH.value
+        message = (
+            f"the correctness guard saw {mismatches:g} disaggregated request(s) in the last "
+            f"{window} decode other tokens than the same request prefilled on its decode "
+            "worker: the KV that moved was not the KV that worker computes. The router logs "
+            "each one ('correctness guard: request ...'); set kvTransfer.checksums to find "
+            "corrupt transfers, or route with disaggregation never until it is fixed"
+        )
+    else:
+        value, reason = "True", IntegrityReason.VERIFIED.value
+        message = f"every disaggregated request the guard re-ran in the last {window} matched"
+    since = timestamp(now)
+    for old in previous:
+        if (
+            isinstance(old, Mapping)
+            and old.get("type") == KV_INTEGRITY
+            and old.get("status") == value
+        ):
+            since = str(old.get("lastTransitionTime") or since)
+    return {
+        "type": KV_INTEGRITY,
+        "status": value,
+        "reason": reason,
+        "message": message[:1024],
+        "lastTransitionTime": since,
+        "observedGeneration": generation,
+    }
 
 
 class Reason(StrEnum):

@@ -18,7 +18,7 @@ import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import httpx
 import splitserve.metric_names as names
@@ -101,6 +101,16 @@ class MetricsSource(Protocol):
         ...
 
 
+@runtime_checkable
+class IntegritySource(Protocol):
+    """A metrics source that also serves the router's correctness guard (Prometheus)."""
+
+    def kv_mismatches(self, target: Target, window_s: float) -> float | None:
+        """Guard mismatches of ``target`` over the last ``window_s`` seconds; None when the
+        guard's series are absent. Raises :class:`MetricsUnavailable`."""
+        ...
+
+
 def _dur(seconds: float) -> str:
     return f"{max(1, round(seconds))}s"
 
@@ -131,6 +141,12 @@ class Queries:
     def _gauge(self, spec: names.MetricSpec, extra: str = "") -> str:
         # Averaged over the fast window: a single scrape of a queue is noisy.
         return f"sum(avg_over_time({spec.name}{self._sel(extra)}[{_dur(self.fast_window_s)}]))"
+
+    def kv_mismatches(self, window_s: float) -> str:
+        """The correctness guard's mismatches over ``window_s``: absent when the router's
+        guard series are not scraped (every outcome is exported from the router's start)."""
+        mismatch = 'outcome="mismatch"'
+        return f"sum(increase({names.GUARD_CHECKS.name}{self._sel(mismatch)}[{_dur(window_s)}]))"
 
     def all(self) -> dict[str, str]:
         """Observation field name -> PromQL."""
@@ -239,6 +255,10 @@ class PrometheusSource:
         if response.status_code != 200 and payload.get("status") != "error":
             raise MetricsUnavailable(f"Prometheus at {self.url}: HTTP {response.status_code}")
         return parse_scalar(payload)
+
+    def kv_mismatches(self, target: Target, window_s: float) -> float | None:
+        promql = queries_for(target, self.selector_template).kv_mismatches(window_s)
+        return self.query(promql)
 
     def observe(self, target: Target) -> Observation:
         values = {

@@ -216,16 +216,18 @@ class CommitResponse(_message.Message):
     def __init__(self, admitted: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "expect_remote_kv")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "expect_remote_kv", "recompute_prompt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     EXPECT_REMOTE_KV_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     expect_remote_kv: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., expect_remote_kv: _Optional[bool] = ...) -> None: ...
+    recompute_prompt: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., expect_remote_kv: _Optional[bool] = ..., recompute_prompt: _Optional[bool] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "error", "num_prompt_tokens", "num_cached_tokens", "top_logprobs", "prompt_logprobs")

@@ -22,7 +22,13 @@ from splitserve_worker.engine.config import ATTENTION_BACKENDS
 from splitserve_worker.kv.faults import FaultConfig
 from splitserve_worker.kv.tcp_tls import TlsConfig, TlsError
 from splitserve_worker.server.auth import TOKEN_ENV, TokenError, load_token
-from splitserve_worker.server.config import KV_BACKENDS, ROLES, ConfigError, WorkerConfig
+from splitserve_worker.server.config import (
+    DEFAULT_CHECKSUM_EVERY,
+    KV_BACKENDS,
+    ROLES,
+    ConfigError,
+    WorkerConfig,
+)
 
 READY_PREFIX = "READY "
 METRICS_PREFIX = "METRICS "
@@ -125,7 +131,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="run decode steps eagerly on CUDA instead of replaying captured CUDA graphs",
     )
-    p.add_argument("--checksums", action="store_true", help="crc32 every pushed KV layer")
+    p.add_argument(
+        "--checksums",
+        action="store_true",
+        help="crc32 every pushed KV span, and each layer again at Commit",
+    )
+    p.add_argument(
+        "--checksum-every",
+        type=int,
+        default=DEFAULT_CHECKSUM_EVERY,
+        metavar="N",
+        help=f"without --checksums, one pushed KV span in N carries its crc32 (tcp, grpc; "
+        f"default {DEFAULT_CHECKSUM_EVERY}; 0: none)",
+    )
     p.add_argument(
         "--kv-streams",
         type=int,
@@ -183,6 +201,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         num_blocks=args.num_blocks,
         threads=args.threads,
         checksums=args.checksums,
+        checksum_every=args.checksum_every,
         kv_streams=args.kv_streams,
         kv_tls=TlsConfig(
             args.kv_tls_cert, args.kv_tls_key, args.kv_tls_ca, args.kv_tls_server_name

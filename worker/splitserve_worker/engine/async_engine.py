@@ -215,9 +215,15 @@ class AsyncEngine:
                 await asyncio.shield(self.call(self.engine.abort, request_id))
 
     async def generate(
-        self, request_id: str, prompt_token_ids: Iterable[int], sampling: SamplingParams | None
+        self,
+        request_id: str,
+        prompt_token_ids: Iterable[int],
+        sampling: SamplingParams | None,
+        *,
+        reuse_prefix: bool = True,
     ) -> AsyncIterator[RequestOutput]:
-        """Prefill and decode here; yields outputs until one is ``finished``.
+        """Prefill and decode here; yields outputs until one is ``finished``
+        (``reuse_prefix`` False: no cached prefix block is read, the prompt is computed whole).
 
         A bad request raises :class:`RequestError` before anything is yielded. Leaving
         the iteration early (or cancelling it) aborts the request and frees its blocks.
@@ -225,7 +231,12 @@ class AsyncEngine:
         s = self._open(request_id)
         try:
             await self._call_for(
-                request_id, self.engine.add_request, request_id, list(prompt_token_ids), sampling
+                request_id,
+                self.engine.add_request,
+                request_id,
+                list(prompt_token_ids),
+                sampling,
+                reuse_prefix,
             )
         except BaseException:
             self._close_stream(request_id, s)

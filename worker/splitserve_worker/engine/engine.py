@@ -180,12 +180,17 @@ class Engine:
         request_id: str,
         prompt_token_ids: Iterable[int],
         sampling: SamplingParams | None = None,
+        reuse_prefix: bool = True,
     ) -> None:
-        """Queue a request to be prefilled and decoded here. Raises :class:`RequestError`."""
+        """Queue a request to be prefilled and decoded here (``reuse_prefix`` False: its
+        prompt is computed whole, whatever the prefix cache holds). Raises
+        :class:`RequestError`."""
         prompt = [int(t) for t in prompt_token_ids]
         sampling = sampling or SamplingParams()
         self.requests.check(request_id, prompt, sampling)
-        self.requests.add(self.requests.new_sequence(request_id, prompt, sampling))
+        seq = self.requests.new_sequence(request_id, prompt, sampling)
+        seq.reuse_prefix = reuse_prefix
+        self.requests.add(seq)
         self.requests.update_gauges()
 
     def abort(self, request_id: str) -> bool:

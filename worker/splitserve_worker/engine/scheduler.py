@@ -176,9 +176,14 @@ class Scheduler:
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks holding a prefix of ``seq``'s tokens (none when the cache is
-        off, or when the request scores its prompt: cached positions have no logits).
-        At least one token is always left to compute, for the logits of the last one."""
-        if not self.config.enable_prefix_cache or seq.params.prompt_logprobs is not None:
+        off, when the request scores its prompt: cached positions have no logits, or when
+        it asks for its prompt computed whole). At least one token is always left to
+        compute, for the logits of the last one."""
+        if (
+            not self.config.enable_prefix_cache
+            or seq.params.prompt_logprobs is not None
+            or not seq.reuse_prefix
+        ):
             return []
         hashes = seq.full_block_hashes(self.bs)[: (len(seq.tokens) - 1) // self.bs]
         return self.blocks.lookup(hashes)

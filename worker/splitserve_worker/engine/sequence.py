@@ -83,6 +83,8 @@ class Sequence:
     """Leading blocks of ``block_table`` already offered to the prefix cache."""
     prompt_logprobs: PromptLogprobs | None = None
     """Scores of the prompt's tokens, filled as its chunks run (when asked for)."""
+    reuse_prefix: bool = True
+    """Whether cached prefix blocks may stand in for computing the prompt's first blocks."""
 
     @property
     def num_output(self) -> int:

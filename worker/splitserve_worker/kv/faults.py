@@ -157,10 +157,14 @@ class FaultInjector:
         return bool(self.config.corrupt_prob) and self._rng.random() < self.config.corrupt_prob
 
     def corrupt(self, data: bytes) -> bytes:
-        """A copy of ``data`` with one byte flipped."""
+        """A copy of ``data`` with one byte flipped: the top byte of a 4-byte word (on a
+        little-endian host, the sign and exponent of a float32 element, or of the second
+        of two 16-bit ones), so the element is wrong by far, as a real fault that matters
+        would leave it, not in a low mantissa bit that decoding never notices."""
         if not data:
             return data
         buf = bytearray(data)
-        i = self._rng.randrange(len(buf))
+        words = len(buf) // 4
+        i = self._rng.randrange(words) * 4 + 3 if words else self._rng.randrange(len(buf))
         buf[i] ^= 0xFF
         return bytes(buf)

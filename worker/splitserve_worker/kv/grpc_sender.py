@@ -18,7 +18,7 @@ import grpc
 from splitserve.v1 import worker_pb2
 
 from splitserve_worker.kv import kvwire
-from splitserve_worker.kv.span_sender import SpanOut, SpanSender, default_streams
+from splitserve_worker.kv.span_sender import SpanOut, SpanSampler, SpanSender, default_streams
 from splitserve_worker.kv.staging import HostStaging
 from splitserve_worker.kv.transport import (
     MAX_STREAMS,
@@ -110,6 +110,8 @@ class GrpcSenderBackend:
         self._channels: dict[tuple[str, int], tuple[grpc.Channel, float]] = {}
         self._staging = HostStaging()
         """Device layers to pinned host memory, one side stream per device for every push."""
+        self._sampler = SpanSampler(0 if ctx.checksums else ctx.checksum_every)
+        """The spans that carry a crc32 when checksums are sampled, over every push."""
 
     def _channel(self, address: str, i: int) -> grpc.Channel:
         """Channel ``i`` to ``address``: each of a push's calls on a connection of its own.
@@ -134,7 +136,7 @@ class GrpcSenderBackend:
             raise TransferError("the handle names no decode worker address", "handle")
         streams = [GrpcStream(self._channel(target.decode_address, i), target, self._ctx.token)
                    for i in range(self.streams)]  # fmt: skip
-        return SpanSender(target, self._ctx, list(streams), "grpc", self._staging)
+        return SpanSender(target, self._ctx, list(streams), "grpc", self._staging, self._sampler)
 
     def close(self) -> None:
         with self._lock:

@@ -4,7 +4,8 @@ the push's streams, written by a thread per stream.
 ``send_layer`` keeps the layer's K and V tensors in host memory (the engine hands over
 fresh ones; a view is copied; a device layer is copied into pinned memory on a side
 stream, :mod:`.staging`, which the engine thread does not wait for), takes their crc32
-when checksums are on (waiting for that copy: checksums cost a pass), and queues spans of about
+when checksums are on (every span, or the one span in N a :class:`SpanSampler` picks;
+waiting for that copy: checksums cost a pass over what they cover), and queues spans of about
 4 MiB (:data:`~.layout.CHUNK_BYTES`) on bounded queues, one per stream, in turn: the push
 overlaps the next layer's compute, and a slow receiver holds the engine back instead of
 buffering without bound. Each stream (a connection, a gRPC call: :class:`Stream`) writes
@@ -14,6 +15,7 @@ push and reports the layers the decode side holds.
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import threading
@@ -36,6 +38,21 @@ together."""
 PUT_TIMEOUT_S = 15.0
 """Longest the engine thread waits for room on a queue before declaring the push dead."""
 POLL_S = 0.05
+
+
+class SpanSampler:
+    """Which spans carry a crc32 when checksums are sampled: one in ``every`` (0: none),
+    counted over every push of one backend, so pushes shorter than ``every`` spans are
+    checked in turn. Safe from any thread."""
+
+    def __init__(self, every: int) -> None:
+        if every < 0:
+            raise ValueError(f"checksum_every must be >= 0, got {every}")
+        self.every = every
+        self._count = itertools.count()
+
+    def take(self) -> bool:
+        return self.every > 0 and next(self._count) % self.every == 0
 
 
 @dataclass(frozen=True)
@@ -94,8 +111,10 @@ class SpanSender:
     """A :class:`~.transport.KVSender` over ``streams``."""
 
     def __init__(self, target: TransferTarget, ctx: BackendContext, streams: list[Stream],
-                 name: str, stager: Stager | None = None) -> None:  # fmt: skip
+                 name: str, stager: Stager | None = None,
+                 sampler: SpanSampler | None = None) -> None:  # fmt: skip
         self._t = target
+        self._sampler = sampler or SpanSampler(0 if ctx.checksums else ctx.checksum_every)
         self._ctx = ctx
         self._name = name
         self._streams = streams
@@ -175,7 +194,10 @@ class SpanSender:
             end = starts[i + 1] if i + 1 < len(starts) else n
             lo, hi = s * per_token, end * per_token
             kb, vb = kall[lo:hi], vall[lo:hi]
-            crc = zlib.crc32(vb, zlib.crc32(kb)) if self._ctx.checksums else None
+            crc = None
+            if self._ctx.checksums or self._sampler.take():
+                ready.wait()  # a sampled span's bytes are read here
+                crc = zlib.crc32(vb, zlib.crc32(kb))
             parts: tuple[memoryview | bytes, ...] = (kb, vb)
             if corrupt and i == 0:  # after the checksum: the receiver must notice
                 parts = (self._faults.corrupt(bytes(kb)), vb)

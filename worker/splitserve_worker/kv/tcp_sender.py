@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 
 from splitserve_worker.kv import tcp_wire as wire
-from splitserve_worker.kv.span_sender import SpanOut, SpanSender, default_streams
+from splitserve_worker.kv.span_sender import SpanOut, SpanSampler, SpanSender, default_streams
 from splitserve_worker.kv.staging import HostStaging
 from splitserve_worker.kv.tcp_socket import PeerClosed, cut, recv_exact, send_all, tune
 from splitserve_worker.kv.tcp_wire import Answer, WireError
@@ -280,6 +280,8 @@ class TcpSenderBackend:
         self._tls = ctx.tls.client_context() if ctx.tls is not None and ctx.tls.verifies else None
         self._staging = HostStaging()
         """Device layers to pinned host memory, one side stream per device for every push."""
+        self._sampler = SpanSampler(0 if ctx.checksums else ctx.checksum_every)
+        """The spans that carry a crc32 when checksums are sampled, over every push."""
 
     def _key(self, target: TransferTarget) -> tuple[tuple[str, int], bool]:
         host = target.decode_address.rpartition(":")[0].strip("[]")
@@ -307,7 +309,7 @@ class TcpSenderBackend:
                 "handle",
             )
         streams = [TcpStream(self, target, key, self._tls) for _ in range(self.streams)]
-        return SpanSender(target, self.ctx, list(streams), "tcp", self._staging)
+        return SpanSender(target, self.ctx, list(streams), "tcp", self._staging, self._sampler)
 
     def close(self) -> None:
         self.pool.close()

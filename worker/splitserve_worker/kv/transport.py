@@ -129,6 +129,12 @@ class BackendContext:
     compat: Compat
     token: str = ""
     checksums: bool = False
+    """Every span carries its crc32, and each layer's is checked again at Commit."""
+    checksum_every: int = 0
+    """With ``checksums`` off: one span in this many (counted over every push of the
+    backend, so short pushes are sampled too) carries its crc32, which the receiver checks
+    before the KV is used; 0: none. ``tcp`` and ``grpc`` only (``nixl`` writes the pool
+    directly: only ``checksums`` checks it)."""
     faults: FaultConfig = field(default_factory=FaultConfig)
     pool: PoolView | None = None
     leases: LeaseTable | None = None

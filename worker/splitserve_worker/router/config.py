@@ -179,6 +179,33 @@ class HttpConfig:
 
 
 @dataclass(frozen=True)
+class GuardConfig:
+    """The correctness guard (:mod:`.guard`): sampled disaggregated greedy requests are
+    run again on their decode worker with local prefill and compared token by token."""
+
+    enabled: bool = True
+    """False: no request is re-run."""
+    sample_share: float = 0.01
+    """Share of disaggregated greedy requests re-run, in [0, 1]: each costs its decode
+    worker one more local request (its prefill and decode), so 1 % adds about 1 % to the
+    decode pool's work."""
+    min_interval_s: float = 300.0
+    """While such requests arrive, at least one is checked this often (seconds), however
+    small the share; the first one after the router starts is always checked."""
+    max_concurrent: int = 1
+    """Re-runs in flight at once, on all workers together; a request sampled while they
+    are all busy is not checked, and the next one is taken instead."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.sample_share <= 1.0:
+            raise ConfigError(
+                f"guard.sample_share must be within [0, 1], got {self.sample_share!r}"
+            )
+        _positive("guard.min_interval_s", self.min_interval_s)
+        _positive("guard.max_concurrent", self.max_concurrent)
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """Everything the router needs besides its workers."""
 
@@ -212,6 +239,7 @@ class RouterConfig:
     cost: CostModelConfig = field(default_factory=CostModelConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)

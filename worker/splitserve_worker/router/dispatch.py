@@ -19,6 +19,12 @@ is sent to a worker that went down meanwhile (a re-plan that finds no worker pla
 again from the top, without counting as a failure).
 A prefill that fails is blamed on the worker that does not answer Health; when
 both answer, neither is marked unhealthy (a lease that ran out under load).
+
+A request first planned remote that finishes prefilled locally (planned again when its
+slot came, or retried) is counted (``splitserve_planned_remote_ran_local_total``): with
+the KV bytes the workers move, it shows disaggregation silently turned off. A greedy
+request that ran disaggregated in one attempt is offered to the correctness guard
+(:mod:`.guard`), which may re-run it in a task of its own.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import grpc
 from splitserve.metric_names import (
     DECODE_QUEUE,
     DISAGG_DECISIONS,
+    PLANNED_REMOTE_RAN_LOCAL,
     PREFILL_QUEUE,
     ROUTER_RETRIES,
 )
@@ -54,6 +61,7 @@ from splitserve_worker.router.failures import (
     rpc_details,
     unsendable,
 )
+from splitserve_worker.router.guard import Check, CorrectnessGuard
 from splitserve_worker.router.planner import NoWorker, Plan, RoutePlanner
 from splitserve_worker.router.pool import WorkerPool
 from splitserve_worker.router.queues import Admission, Stage
@@ -70,6 +78,13 @@ class GenRequest:
     request_id: str
     prompt: tuple[int, ...]
     sampling: SamplingParams
+
+
+@dataclass
+class Ran:
+    """Where an attempt ran, as it finally did (a waited-for prefill slot may re-plan it)."""
+
+    plan: Plan
 
 
 @dataclass(frozen=True)
@@ -106,6 +121,7 @@ class Dispatcher:
         self.pool = pool
         self.planner = planner
         self.hasher = hasher
+        self.metrics = metrics
         q = config.queues
         pq = metrics.gauge(PREFILL_QUEUE)
         dq = metrics.gauge(DECODE_QUEUE)
@@ -115,7 +131,9 @@ class Dispatcher:
                                   q.retry_after_s, dq.set)  # fmt: skip
         self._decisions = metrics.counter(DISAGG_DECISIONS)
         self._retries = metrics.counter(ROUTER_RETRIES)
+        self._remote_ran_local = metrics.counter(PLANNED_REMOTE_RAN_LOCAL)
         self._cleanup: set[asyncio.Task[None]] = set()
+        self.guard = CorrectnessGuard(config.guard, pool.conn, metrics, config.timeouts.request_s)
 
     def update_capacity(self) -> None:
         q = self.config.queues
@@ -127,9 +145,11 @@ class Dispatcher:
         )
 
     async def drain(self, timeout: float = 5.0) -> None:
-        """Waits for pending cleanup calls (used on shutdown and by tests)."""
+        """Waits for pending cleanup calls and guard re-runs (used on shutdown and by
+        tests)."""
         if self._cleanup:
             await asyncio.wait(set(self._cleanup), timeout=timeout)
+        await self.guard.drain(timeout)
 
     # ---- one request ----
 
@@ -149,6 +169,7 @@ class Dispatcher:
             failures = 0
             attempt = 0
             replans = 0
+            planned_remote: bool | None = None
             while True:
                 prompt = req.prompt + tuple(produced)
                 sampling = replace(
@@ -161,15 +182,21 @@ class Dispatcher:
                 )
                 hashes, excluded = self.hasher(prompt), frozenset(failed)
                 plan = await self._plan(prompt, hashes, excluded, last)
+                if planned_remote is None:
+                    planned_remote = plan.remote
                 rid = f"{req.request_id}.{attempt}"
                 attempt += 1
+                ran = Ran(plan)
+                resumed = len(produced)
                 try:
                     # aclosing: a consumer that leaves ends the attempt (and its cleanup) now
                     async with contextlib.aclosing(
-                        self._attempt(rid, plan, prompt, hashes, sampling, excluded)
+                        self._attempt(rid, plan, prompt, hashes, sampling, excluded, ran)
                     ) as events:
                         async for ev in events:
                             produced.extend(ev.token_ids)
+                            if ev.finish_reason is not None:
+                                self._finished(req, ran.plan, planned_remote, resumed, produced)
                             yield ev
                             if ev.finish_reason is not None:
                                 return
@@ -198,6 +225,29 @@ class Dispatcher:
                     self._retries.labels(reason=reason).inc()
         finally:
             admission.release()
+
+    def _finished(
+        self,
+        req: GenRequest,
+        plan: Plan,
+        planned_remote: bool,
+        resumed: int,
+        produced: list[int],
+    ) -> None:
+        """What a request that just finished on ``plan`` counts for: disaggregation planned
+        but not run, and the guard's sample (a request whose one attempt ran remote)."""
+        if planned_remote and not plan.remote:
+            self._remote_ran_local.inc()
+        if plan.remote and resumed == 0:
+            self.guard.offer(
+                Check(
+                    req.request_id,
+                    req.prompt,
+                    req.sampling,
+                    tuple(produced),
+                    plan.decode.worker.name,
+                )
+            )
 
     async def _plan(
         self,
@@ -245,6 +295,7 @@ class Dispatcher:
         hashes: Sequence[int],
         sampling: SamplingParams,
         failed: frozenset[str],
+        ran: Ran,
     ) -> AsyncGenerator[TokenEvent, None]:
         t = self.config.timeouts
         touched: list[WorkerConn] = []
@@ -258,7 +309,7 @@ class Dispatcher:
             slot = await self.prefill_stage.admit()  # before any worker is touched
         try:
             if slot is not None and waited:
-                plan = self._replan(prompt, hashes, failed)
+                plan = ran.plan = self._replan(prompt, hashes, failed)
                 if plan.prefill is None:  # local now after all: the slot is not needed
                     slot.release()
             self._decisions.labels(decision=plan.decision.where.value).inc()

@@ -72,6 +72,7 @@ class WorkerConn(Protocol):
         sampling: SamplingParams,
         expect_remote_kv: bool = False,
         timeout: float | None = None,
+        recompute_prompt: bool = False,
     ) -> AsyncIterator[pb.TokenChunk]: ...
 
     async def cancel(self, request_id: str, timeout: float | None = None) -> bool: ...

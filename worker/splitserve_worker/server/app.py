@@ -127,6 +127,7 @@ async def start_worker(
             compat=compat,
             token=config.token,
             checksums=config.checksums,
+            checksum_every=config.checksum_every,
             streams=config.kv_streams,
             faults=config.faults,
             pool=PoolView(engine.kv.pool),

@@ -197,7 +197,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                         grpc.StatusCode.FAILED_PRECONDITION,
                         "this worker's role is 'prefill': it does not decode",
                     )
-                stream = self.engine.generate(rid, list(request.prompt_token_ids), sampling)
+                stream = self.engine.generate(
+                    rid,
+                    list(request.prompt_token_ids),
+                    sampling,
+                    reuse_prefix=not request.recompute_prompt,
+                )
                 first = None
         except RpcFailure as e:
             await context.abort(e.code, e.message)

@@ -31,6 +31,11 @@ class AutoscaleConfig:
     """Seconds (s) of the short arrival-rate window that notices a load step
     sooner (two scrapes at least)."""
 
+    integrity_window_s: float = 600.0
+    """Seconds (s) over which a correctness-guard mismatch keeps the ``KVIntegrity``
+    condition False (the chart's alert looks back as far): long enough to be read, short
+    enough that a fixed service turns True again on its own."""
+
     selector_template: str = DEFAULT_SELECTOR
     """PromQL label matchers picking one service's series; ``{namespace}`` and
     ``{name}`` are filled in (see :data:`~splitserve_operator.api.series.DEFAULT_SELECTOR`)."""

@@ -9,7 +9,10 @@ not passed) :meth:`Autoscaler.tick`:
 2. asks the :class:`~splitserve_operator.control.prometheus.MetricsSource` for one
    observation (PromQL over Prometheus's HTTP API);
 3. runs the pure planner (:func:`splitserve_operator.planner.core.plan`);
-4. applies each changed decision to the pool's WorkerPool ``spec.replicas`` under its
+4. reads the router's correctness-guard mismatches over ``integrity_window_s`` into the
+   ``KVIntegrity`` condition (False after any mismatch, True with none, Unknown when
+   Prometheus or the guard's series cannot be read);
+5. applies each changed decision to the pool's WorkerPool ``spec.replicas`` under its
    own field manager (:data:`~splitserve_operator.control.k8s.PLANNER`; the reconciler
    then applies it to the Deployment, clamped to the bounds, see ``render/replicas.py``),
    applies its records under ``status.autoscaling`` and the ``ScalingActive`` condition,
@@ -34,9 +37,11 @@ from typing import Any
 
 from splitserve.metric_server import MetricsServer, start_metrics_server
 
-from splitserve_operator.api.fields import as_int, as_map, timestamp
+from splitserve_operator.api.durations import format_duration
+from splitserve_operator.api.fields import as_int, as_map, count, timestamp
 from splitserve_operator.api.models import InferenceServiceSpec
 from splitserve_operator.api.parse import SpecError, parse_spec
+from splitserve_operator.api.status import kv_integrity_condition
 from splitserve_operator.api.values import Pool
 from splitserve_operator.control.autoscaling.config import AutoscaleConfig
 from splitserve_operator.control.autoscaling.metrics import OperatorMetrics
@@ -61,6 +66,7 @@ from splitserve_operator.control.k8s import (
 )
 from splitserve_operator.control.ownership import owners
 from splitserve_operator.control.prometheus import (
+    IntegritySource,
     MetricsSource,
     MetricsUnavailable,
     PrometheusSource,
@@ -215,10 +221,12 @@ class Autoscaler:
             namespace, name, slo.percentile, self.config.window_s, self.config.fast_window_s
         )
         hold_reason: str | None = None
+        source = self._source(spec.autoscaling.prometheus_url)
         try:
-            observation = self._source(spec.autoscaling.prometheus_url).observe(target)
+            observation = source.observe(target)
         except MetricsUnavailable as exc:
             observation, hold_reason = None, str(exc)
+        integrity = self._integrity(body, source, target)
         memory = self._memory.get(key)
         if memory is None:
             memory = _Memory(
@@ -252,7 +260,7 @@ class Autoscaler:
                 or "metrics missing"
             )
         outside = {POOLS[p]: list(v.others) for p, v in views.items() if v.others}
-        patched = self._write(body, views, result, memory, hold_reason, outside)
+        patched = self._write(body, views, result, memory, hold_reason, outside, integrity)
         ready = {p: s.ready for p, s in statuses.items()}
         self.metrics.record(namespace, name, result, ready, slo)
         self._events(body, result, memory, hold_reason, outside, views)
@@ -269,6 +277,30 @@ class Autoscaler:
                     d.detail,
                 )
         return TickResult(plan=result, patched=patched, hold_reason=hold_reason)
+
+    def _integrity(
+        self, body: Mapping[str, Any], source: MetricsSource, target: Target
+    ) -> dict[str, Any]:
+        """The ``KVIntegrity`` condition from the guard's mismatches in Prometheus."""
+        window = self.config.integrity_window_s
+        mismatches, why = None, None
+        if not isinstance(source, IntegritySource):
+            why = "the metrics source does not serve the correctness guard's series"
+        else:
+            try:
+                mismatches = source.kv_mismatches(target, window)
+            except MetricsUnavailable as exc:
+                why = str(exc)
+        status = as_map(body.get("status"))
+        previous = [c for c in status.get("conditions") or [] if isinstance(c, Mapping)]
+        return kv_integrity_condition(
+            mismatches,
+            format_duration(window),
+            why,
+            generation=count(as_map(body.get("metadata")).get("generation")),
+            now=self._wall(),
+            previous=previous,
+        )
 
     def _forget_stale(self, now: float) -> None:
         stale = [
@@ -317,6 +349,7 @@ class Autoscaler:
         memory: _Memory,
         hold_reason: str | None,
         outside: Mapping[Pool, list[str]],
+        integrity: Mapping[str, Any] | None = None,
     ) -> bool:
         """Apply the changed decisions to the WorkerPools and the planner's status; False
         when a write failed (the next tick tries again)."""
@@ -347,6 +380,7 @@ class Autoscaler:
             outside=outside,
             names={POOLS[p]: v.name for p, v in views.items()},
             stamp=stamp,
+            integrity=integrity,
         )
         manifest = {
             "apiVersion": API_VERSION,

@@ -63,9 +63,11 @@ def planner_status(
     outside: Mapping[Pool, Sequence[str]],
     names: Mapping[Pool, str],
     stamp: str,
+    integrity: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The planner's ``status`` for one tick; records ``stamp`` in ``last_scale`` for
-    every pool whose replica count it changed."""
+    every pool whose replica count it changed. ``integrity``: the ``KVIntegrity``
+    condition this tick read, applied beside ``ScalingActive``."""
     planner_pools: dict[str, Any] = {}
     for d in result.decisions():
         pool = POOLS[d.pool]
@@ -97,7 +99,10 @@ def planner_status(
             "metricsAvailable": hold_reason is None,
             "pools": planner_pools,
         },
-        "conditions": [scaling_condition(status, active, reason, message, stamp, generation)],
+        "conditions": [
+            scaling_condition(status, active, reason, message, stamp, generation),
+            *([dict(integrity)] if integrity is not None else []),
+        ],
     }
 
 
