@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from splitserve_worker.commands.tls_flags import TLS_FLAGS, add_tls_arguments
+
 API_KEY_ENV = "SPLITSERVE_API_KEY"
 SECRET_ON_COMMAND_LINE = (
     "--api-key would show the key to every user of this host (ps, /proc): put it in a "
@@ -71,6 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="any other setting of the config, e.g. queues.max_wait_s=10 "
         "(repeatable; over --config, under the flags above)",
     )
+    add_tls_arguments(p, worker=False)
     p.add_argument("--log-level", default="info")
 
 
@@ -100,6 +103,11 @@ def load_config(args: argparse.Namespace, **overrides: Any) -> Any:
             data[name] = getattr(args, name)
     if args.lease_seconds is not None:
         set_path(data, f"timeouts.lease_s={args.lease_seconds}")
+    for name in TLS_FLAGS:  # --tls-cert sets tls.cert_file, ...
+        if getattr(args, name, None) is not None:
+            key = name.removeprefix("tls_")
+            setting = key if key == "server_name" else f"{key}_file"
+            data.setdefault("tls", {})[setting] = getattr(args, name)
     data.update(overrides)
     if "max_model_len" not in data:  # what the workers serve, read from the model's config
         from splitserve_worker.models import model_context_limit
