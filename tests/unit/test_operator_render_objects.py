@@ -248,6 +248,8 @@ def test_command_lines() -> None:
         "30",
         "--token-file",
         TOKEN_FILE,
+        "--metrics-port",
+        "9100",
     ]
     assert env(objs, "decode")["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
 

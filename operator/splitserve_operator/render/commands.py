@@ -27,9 +27,11 @@ WORKER_DRAIN_SECONDS = POD_GRACE_SECONDS - 10
 """How long a stopping worker lets running streams finish (``--drain-seconds``): most end
 where they are instead of moving to another worker; the rest move when it is up."""
 ROUTER_HTTP_PORT = 8000
-"""The router's OpenAI-compatible HTTP port; it also serves ``/metrics``."""
-ROUTER_METRICS_SERVICE_PORT = 9100
-"""Service port named ``metrics`` on the router Service (targets the HTTP port)."""
+"""The router's OpenAI-compatible HTTP port (its ``/metrics`` there needs the API key
+when one is set)."""
+ROUTER_METRICS_PORT = 9100
+"""The router's ``/metrics`` alone, without the API key: what Prometheus scrapes (the
+Service port named ``metrics``)."""
 
 WORKER_STARTUP_SECONDS = 1800
 """How long a worker may take to listen (its startup probe's budget): pulling and loading
@@ -155,6 +157,8 @@ def router_args(spec: InferenceServiceSpec, namespace: str, selector: str) -> li
         number(spec.kv_transfer.lease),
         "--token-file",
         TOKEN_FILE,
+        "--metrics-port",
+        str(ROUTER_METRICS_PORT),
         *router_setting_args(spec),
     ]
 
@@ -214,7 +218,10 @@ def worker_ports() -> list[dict[str, Any]]:
 
 
 def router_ports() -> list[dict[str, Any]]:
-    return [{"name": "http", "containerPort": ROUTER_HTTP_PORT, "protocol": "TCP"}]
+    return [
+        {"name": "http", "containerPort": ROUTER_HTTP_PORT, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": ROUTER_METRICS_PORT, "protocol": "TCP"},
+    ]
 
 
 def startup_seconds(pool: Pool) -> int:

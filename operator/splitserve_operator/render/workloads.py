@@ -316,8 +316,8 @@ def service(ref: ServiceRef, spec: InferenceServiceSpec, pool: Pool) -> dict[str
                 },
                 {
                     "name": "metrics",
-                    "port": commands.ROUTER_METRICS_SERVICE_PORT,
-                    "targetPort": "http",
+                    "port": commands.ROUTER_METRICS_PORT,
+                    "targetPort": "metrics",
                     "protocol": "TCP",
                 },
             ],

@@ -34,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="also serve /metrics, alone and without the API key, on this "
+                   "port (for Prometheus; on the API port it needs the key when one is "
+                   "set)")  # fmt: skip
     p.add_argument(
         "--workers",
         default=None,
@@ -189,7 +193,24 @@ def build_app(args: argparse.Namespace, **overrides: Any) -> Any:
     api_key = read_secret(args.api_key_file, API_KEY_ENV)
     cfg = load_config(args, worker_token=token, api_key=api_key, **overrides)
     service = RouterService(cfg, load_tokenizer(args.model), make_discovery(args))
+    if args.metrics_port is not None:
+        serve_metrics(args.host, args.metrics_port, service.registry)
     return create_app(service)
+
+
+def serve_metrics(host: str, port: int, registry: Any) -> Any:
+    """``/metrics`` on a port of its own, from a daemon thread (for the process's life);
+    returns the :class:`~splitserve.metric_server.MetricsServer`."""
+    from splitserve.metric_server import start_metrics_server
+
+    if not 0 <= port < 65536:
+        raise ValueError(f"--metrics-port must be in [0, 65535], got {port}")
+    try:
+        return start_metrics_server(port, registry, host=host)
+    except OSError as e:
+        raise OSError(
+            f"cannot serve metrics on {host}:{port}: {e.strerror}; choose another --metrics-port"
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
