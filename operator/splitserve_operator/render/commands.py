@@ -48,6 +48,9 @@ CONFIG_FILE = "splitserve.json"
 TOKEN_DIR = "/var/run/secrets/splitserve"
 TOKEN_KEY = "token"
 TOKEN_FILE = f"{TOKEN_DIR}/{TOKEN_KEY}"
+TLS_DIR = "/var/run/secrets/splitserve-tls"
+"""Where ``spec.tls.secretName`` is mounted: ``tls.crt``, ``tls.key``, ``ca.crt``."""
+TLS_KEYS = ("tls.crt", "tls.key", "ca.crt")
 TMP_DIR = "/tmp"
 CACHE_DIR = "/cache"
 SHM_DIR = "/dev/shm"
@@ -97,9 +100,23 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
         str(WORKER_DRAIN_SECONDS),
         *(["--checksums"] if spec.kv_transfer.checksums else []),
         *(["--kv-streams", str(spec.kv_transfer.streams)] if spec.kv_transfer.streams else []),
+        *tls_args(spec, worker=True),
         *device_args(spec, pool),
         *engine_args(spec, pool),
     ]
+
+
+def tls_args(spec: InferenceServiceSpec, *, worker: bool) -> list[str]:
+    """The TLS flags from ``spec.tls`` (none when it is unset): every pod presents the
+    Secret's certificate and checks its peers against its CA and the server name; workers
+    with ``mutual`` take only callers the CA signed."""
+    tls = spec.tls
+    if tls is None:
+        return []
+    cert, key, ca = (f"{TLS_DIR}/{k}" for k in TLS_KEYS)
+    out = ["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca,
+           "--tls-server-name", tls.server_name]  # fmt: skip
+    return [*out, "--tls-mutual"] if worker and tls.mutual else out
 
 
 def number(value: float) -> str:
@@ -159,6 +176,7 @@ def router_args(spec: InferenceServiceSpec, namespace: str, selector: str) -> li
         TOKEN_FILE,
         "--metrics-port",
         str(ROUTER_METRICS_PORT),
+        *tls_args(spec, worker=False),
         *router_setting_args(spec),
     ]
 
