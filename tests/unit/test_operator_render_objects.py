@@ -33,6 +33,7 @@ FULL: dict[str, Any] = {
     "model": {"name": "m", "source": "org/m", "dtype": "float16"},
     "image": "img:1",
     "imagePullPolicy": "IfNotPresent",
+    "tls": {"secretName": "demo-tls", "serverName": "workers.demo.svc"},
     "imagePullSecrets": [{"name": "regcred"}],
     "prefill": {
         "replicas": 2,
