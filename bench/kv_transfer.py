@@ -142,9 +142,9 @@ async def _kv_receiver_async(
     import grpc
     from splitserve.grpc_options import SERVER_OPTIONS
     from splitserve.metric_registry import Metrics
+    from splitserve.tls import TlsConfig
     from splitserve_worker.kv.layout import PoolView
     from splitserve_worker.kv.lease import LeaseTable
-    from splitserve_worker.kv.tcp_tls import TlsConfig
     from splitserve_worker.kv.transport import BackendContext, create_receiver_backend
     from splitserve_worker.server.auth import TokenAuthInterceptor
     from splitserve_worker.server.handoff import DecodeHandoff
@@ -233,7 +233,7 @@ class BackendRun:
         tls: tuple[str, str, str] | None = None, checksum_every: int = 0,
         checksums: bool = False,
     ) -> None:  # fmt: skip
-        from splitserve_worker.kv.tcp_tls import TlsConfig
+        from splitserve.tls import TlsConfig
         from splitserve_worker.kv.transport import BackendContext, create_sender_backend
 
         self._blocks = blocks

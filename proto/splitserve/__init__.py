@@ -14,9 +14,12 @@ must agree on, and nothing else.
   engine (naming cached blocks) and the router (finding who holds a prefix).
 - :mod:`splitserve.grpc_options`: the channel and server options and the token metadata
   every gRPC client and server of the worker contract uses.
+- :mod:`splitserve.tls`: the TLS settings every part takes (the same flags on workers
+  and router) and the ``ssl`` contexts and grpcio credentials made from them.
 - :mod:`splitserve.kv_compat`: the fields that make two workers' KV caches
   interchangeable, their hash, and the check that names what differs.
 
-Modules here import the standard library only (``v1`` also needs protobuf and grpcio),
-so either side can use them without the other's dependencies.
+Modules here import the standard library only (``v1`` also needs protobuf and grpcio,
+and :mod:`.tls` makes grpcio's credentials), so either side can use them without the
+other's dependencies.
 """

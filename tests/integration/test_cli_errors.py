@@ -56,3 +56,26 @@ def test_an_attention_backend_that_cannot_run_here(tiny_model_path: Path) -> Non
     p = splitserve("worker", "--role", "both", "--model", str(tiny_model_path),
                    "--attention-backend", "flashinfer", "--threads", "1")  # fmt: skip
     said(p, 2, "attention backend flashinfer: flashinfer runs on CUDA only")
+
+
+def test_tls_files_that_cannot_be_used_stop_every_part_at_start(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    from tls_kit import make_tls_files
+
+    files = make_tls_files(tmp_path)
+    absent = str(tmp_path / "absent.pem")
+    model = ["--model", str(tiny_model_path)]
+    worker = ["worker", "--role", "decode", *model, "--threads", "1"]
+    said(splitserve(*worker, "--tls-cert", absent, "--tls-key", str(files.key)), 2,
+         f"cannot load --tls-cert {absent}")  # fmt: skip
+    said(splitserve(*worker, "--tls-cert", str(files.cert)), 2,
+         "--tls-cert and --tls-key go together")  # fmt: skip
+    said(splitserve(*worker, "--tls-ca", str(files.ca), "--tls-mutual"), 2,
+         "--tls-mutual needs --tls-cert, --tls-key and --tls-ca")  # fmt: skip
+    router = ["router", *model, "--workers", "decode=127.0.0.1:9"]
+    said(splitserve(*router, "--tls-ca", absent), 2, f"cannot load --tls-ca {absent}")
+    said(splitserve(*router, "--tls-cert", str(files.cert), "--tls-key", str(files.key)), 2,
+         "give --tls-ca too")  # fmt: skip
+    said(splitserve("up", *model, "--port", "0", "--tls-ca", str(files.ca)), 1,
+         "a TLS stack needs --tls-cert, --tls-key and --tls-ca")  # fmt: skip

@@ -13,9 +13,11 @@ import asyncio
 import contextlib
 import random
 import socket
+import ssl
 import zlib
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,6 +29,7 @@ from splitserve_worker.kv import tcp_wire as wire
 from splitserve_worker.kv.lease import Lease
 from splitserve_worker.kv.tcp_server import Limits
 from splitserve_worker.kv.tcp_wire import Answer, Status
+from tls_kit import make_tls_files
 
 pytestmark = pytest.mark.integration
 
@@ -43,9 +46,12 @@ def decode(limits: Limits | None = None, **pacing: Any) -> AbstractAsyncContextM
 class Raw:
     """The wire by hand: bytes as the test cuts them."""
 
-    def __init__(self, port: int, source: str = "127.0.0.1") -> None:
+    def __init__(self, port: int, source: str = "127.0.0.1",
+                 tls: ssl.SSLContext | None = None) -> None:  # fmt: skip
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10,
                                              source_address=(source, 0))  # fmt: skip
+        if tls is not None:
+            self.sock = tls.wrap_socket(self.sock, server_hostname="127.0.0.1")
         self._buf = b""
 
     def answer(self) -> tuple[Answer, str]:
@@ -78,7 +84,7 @@ class Raw:
         try:
             while chunk := self.sock.recv(65536):
                 self._buf += chunk
-        except ConnectionResetError:
+        except (ConnectionResetError, ssl.SSLEOFError):  # a TLS peer's close without notify
             pass
         return True
 
@@ -86,8 +92,8 @@ class Raw:
         self.sock.close()
 
 
-def ready(port: int, **kw: str) -> Raw:
-    c = Raw(port, **kw)
+def ready(port: int, source: str = "127.0.0.1") -> Raw:
+    c = Raw(port, source)
     answer, message = c.hello()
     assert answer.kind == wire.READY, message
     return c
@@ -180,9 +186,18 @@ def test_two_pushes_share_one_connection() -> None:
     asyncio.run(scenario())
 
 
-def test_a_wrong_token_or_compat_is_refused_before_any_payload_is_read() -> None:
+@pytest.mark.parametrize("over", ["plain", "tls"])
+def test_a_wrong_token_or_compat_is_refused_before_any_payload_is_read(
+    over: str, tmp_path: Path
+) -> None:
+    server_tls = client_tls = None
+    if over == "tls":  # the token is checked inside TLS too, not left to the certificate
+        files = make_tls_files(tmp_path)
+        server_tls = files.config(mutual=True).server_context()
+        client_tls = files.config().client_context()
+
     async def scenario() -> None:
-        async with decode() as d:
+        async with bare_decode(COMPAT, NB, token=TOKEN, tls=server_tls) as d:
             lease = d.reserve("r", [1, 2], 8)
             data = payload(layer_kv(8, 0), 0, 8)
             other = Compat("bare", "bfloat16", BS, L, H, D, "LKBTHD-v1")
@@ -193,7 +208,7 @@ def test_a_wrong_token_or_compat_is_refused_before_any_payload_is_read() -> None
             ]  # fmt: skip
 
             def attempt(kw: dict[str, str]) -> tuple[Answer, str, bool]:
-                c = Raw(d.tcp_port)
+                c = Raw(d.tcp_port, tls=client_tls)
                 challenge, _ = c.answer()
                 hello = wire.hello(kw.get("token", TOKEN), challenge.nonce,
                                    kw.get("compat", COMPAT.hash))  # fmt: skip

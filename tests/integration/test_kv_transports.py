@@ -19,13 +19,13 @@ import pytest
 import torch
 from kv_kit import BareDecode, bare_decode, until
 from splitserve.kv_compat import Compat
+from splitserve.tls import TlsConfig
 from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.kv import kvwire, span_sender
 from splitserve_worker.kv.grpc_sender import PUSH_METHOD
 from splitserve_worker.kv.layout import as_bytes, token_chunks
 from splitserve_worker.kv.lease import Lease
 from splitserve_worker.kv.nixl_common import loopback_env
-from splitserve_worker.kv.tcp_tls import TlsConfig
 from splitserve_worker.kv.transport import (
     BackendContext,
     KVSender,
@@ -300,7 +300,7 @@ def test_a_push_that_stops_sending_loses_its_lease_to_the_reaper(
 @pytest.mark.parametrize(
     ("sender_tls", "server_tls", "words"),
     [
-        ("none", "tls", "give this worker --kv-tls-ca"),
+        ("none", "tls", "give this worker --tls-ca"),
         ("ca", "none", "pushes KV over TLS only"),
         ("other-ca", "tls", "certificate verify failed"),
         ("wrong-name", "tls", "certificate verify failed"),

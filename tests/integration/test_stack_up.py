@@ -70,6 +70,19 @@ def test_demo_streams_an_answer_and_reports_ttft_tpot(tiny_model_path: Path) -> 
     assert out.rstrip().endswith("stopped")
 
 
+def test_up_runs_the_stack_over_mutual_tls(tiny_model_path: Path, tmp_path: Path) -> None:
+    from tls_kit import SERVER_NAME, make_tls_files
+
+    files = make_tls_files(tmp_path)
+    proc = up(tiny_model_path, "--demo", "--tls-cert", str(files.cert), "--tls-key",
+              str(files.key), "--tls-ca", str(files.ca), "--tls-server-name", SERVER_NAME,
+              "--tls-mutual")  # fmt: skip
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "workers over mutual TLS" in out
+    assert "TTFT " in out and "(64 tokens)" in out  # the answer came through the TLS stack
+
+
 def test_ctrl_c_stops_router_and_every_worker(tiny_model_path: Path) -> None:
     proc = up(tiny_model_path, "--colocated", "1")
     assert proc.stdout is not None

@@ -284,7 +284,7 @@ class Stack:
         async with httpx.AsyncClient(timeout=5.0) as client:
             while time.monotonic() < deadline:
                 with contextlib.suppress(httpx.HTTPError):
-                    r = await client.get(f"{self.base_url}/health")
+                    r = await client.get(f"{self.base_url}/health", headers=self.headers())
                     body = r.json()
                     seen = {w["name"].split("@", 1)[1] for w in body["workers"] if w["healthy"]}
                     if seen == want:

@@ -36,6 +36,8 @@ def test_lint_strict() -> None:
         "serviceMonitor.enabled=true",
         "--set",
         "operator.watchNamespaces={a,b}",
+        "--set",
+        "certManager.enabled=true",
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -58,6 +60,7 @@ def test_lint_strict() -> None:
             "prometheus.bearerTokenSecret.name=prometheus-reader",
             "prometheus.caConfigMap.name=service-ca",
         ),
+        ("certManager.enabled=true", "certManager.namespace=team-a"),
     ],
     ids=[
         "defaults",
@@ -66,6 +69,7 @@ def test_lint_strict() -> None:
         "bring-your-own-account",
         "helm-test",
         "prometheus-auth",
+        "cert-manager",
     ],
 )
 def test_rendered_manifests_are_valid(sets: tuple[str, ...]) -> None:
@@ -73,7 +77,7 @@ def test_rendered_manifests_are_valid(sets: tuple[str, ...]) -> None:
     kinds = [d["kind"] for d in documents]
     assert "Deployment" in kinds and "CustomResourceDefinition" in kinds
     for doc in documents:
-        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+        if doc["apiVersion"].startswith(("monitoring.coreos.com/", "cert-manager.io/")):
             continue  # not a built-in kind: no schema ships with kubernetes-validate
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
@@ -280,3 +284,33 @@ def test_helm_test_asks_the_router_for_its_models() -> None:
     assert env["ROUTER_URL"]["value"] == "http://smollm2-router.team-a.svc:8000"
     assert env["API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "smollm2-api-key", "key": "key"}
     assert "/v1/models" in container["args"][0]
+
+
+def test_cert_manager_makes_the_secret_an_inference_service_names() -> None:
+    """Off by default; on, a CA and one certificate for the name the operator has every
+    caller check, good for both ends of mutual TLS, in the Secret form workers mount."""
+    from splitserve_operator.api.models import DEFAULT_TLS_SERVER_NAME
+    from splitserve_operator.render.commands import TLS_KEYS
+
+    assert not [d for d in chart.template() if d["apiVersion"].startswith("cert-manager.io/")]
+    docs = [d for d in chart.template(sets=("certManager.enabled=true",))
+            if d["apiVersion"].startswith("cert-manager.io/")]  # fmt: skip
+    by_kind_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    assert sorted(by_kind_name) == [
+        ("Certificate", "splitserve-ca"), ("Certificate", "splitserve-tls"),
+        ("Issuer", "splitserve-ca"), ("Issuer", "splitserve-selfsigned"),
+    ]  # fmt: skip
+    ca, leaf = (
+        by_kind_name[("Certificate", "splitserve-ca")],
+        by_kind_name[("Certificate", "splitserve-tls")],
+    )
+    assert ca["spec"]["isCA"] and ca["spec"]["issuerRef"]["name"] == "splitserve-selfsigned"
+    assert (
+        by_kind_name[("Issuer", "splitserve-ca")]["spec"]["ca"]["secretName"]
+        == ca["spec"]["secretName"]
+    )
+    assert leaf["spec"]["issuerRef"]["name"] == "splitserve-ca"
+    assert leaf["spec"]["secretName"] == "splitserve-tls"
+    assert leaf["spec"]["dnsNames"] == [DEFAULT_TLS_SERVER_NAME]
+    assert {"server auth", "client auth"} <= set(leaf["spec"]["usages"])
+    assert TLS_KEYS == ("tls.crt", "tls.key", "ca.crt")  # what a CA Issuer's Secret holds

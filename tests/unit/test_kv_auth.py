@@ -112,24 +112,46 @@ def test_worker_config_checks_fields_and_hides_token() -> None:
         assert words in str(e.value)
 
 
-def test_kv_tls_settings_are_checked_when_the_worker_is_configured(tmp_path: Path) -> None:
-    from splitserve_worker.kv.tcp_tls import TlsConfig, TlsError
+def test_tls_settings_are_checked_when_the_worker_is_configured(tmp_path: Path) -> None:
+    from splitserve.tls import TlsConfig, TlsError
     from tls_kit import make_tls_files
 
     files = make_tls_files(tmp_path)
-    ok = WorkerConfig(role="both", model="m", token="t", kv_tls=files.config())
-    assert ok.kv_tls.serves and ok.kv_tls.verifies
-    assert WorkerConfig(role="decode", model="m", token="t").kv_backend == "tcp"
-    with pytest.raises(TlsError, match="--kv-tls-cert and --kv-tls-key go together"):
+    ok = WorkerConfig(role="both", model="m", token="t", tls=files.config(mutual=True))
+    assert ok.tls.serves and ok.tls.verifies and ok.tls.mutual
+    assert not WorkerConfig(role="decode", model="m", token="t").tls.enabled
+    with pytest.raises(TlsError, match="--tls-cert and --tls-key go together"):
         TlsConfig(cert_file=str(files.cert))
-    with pytest.raises(TlsError, match="--kv-tls-server-name needs --kv-tls-ca"):
+    with pytest.raises(TlsError, match="--tls-server-name needs --tls-ca"):
         TlsConfig(server_name="x")
+    with pytest.raises(TlsError, match="--tls-mutual needs --tls-cert, --tls-key and --tls-ca"):
+        TlsConfig(cert_file=str(files.cert), key_file=str(files.key), mutual=True)
     empty = tmp_path / "empty.pem"
     empty.write_text("")
     for kw, words in [
-        ({"cert_file": str(files.cert), "key_file": str(empty)}, "cannot load --kv-tls-cert"),
-        ({"cert_file": str(files.key), "key_file": str(files.cert)}, "cannot load --kv-tls-cert"),
-        ({"ca_file": str(tmp_path / "absent.pem")}, "cannot load --kv-tls-ca"),
+        ({"cert_file": str(files.cert), "key_file": str(empty)}, "cannot load --tls-cert"),
+        ({"cert_file": str(files.key), "key_file": str(files.cert)}, "cannot load --tls-cert"),
+        ({"ca_file": str(tmp_path / "absent.pem")}, "cannot load --tls-ca"),
+        ({"ca_file": str(empty)}, "cannot load --tls-ca"),
     ]:  # fmt: skip
         with pytest.raises(ConfigError, match=words):
-            WorkerConfig(role="both", model="m", token="t", kv_tls=TlsConfig(**kw))  # type: ignore[arg-type]
+            WorkerConfig(role="both", model="m", token="t", tls=TlsConfig(**kw))  # type: ignore[arg-type]
+
+
+def test_the_router_checks_its_tls_files_and_needs_the_ca_with_a_certificate(
+    tmp_path: Path,
+) -> None:
+    from splitserve.tls import TlsConfig
+    from splitserve_worker.router.config import ConfigError as RouterConfigError
+    from splitserve_worker.router.config import RouterConfig
+    from tls_kit import make_tls_files
+
+    files = make_tls_files(tmp_path)
+    cfg = RouterConfig.from_mapping({"tls": {"ca_file": str(files.ca),
+                                             "cert_file": str(files.cert),
+                                             "key_file": str(files.key)}})  # fmt: skip
+    assert cfg.tls.verifies and cfg.tls.serves
+    with pytest.raises(RouterConfigError, match="give --tls-ca too"):
+        RouterConfig(tls=TlsConfig(str(files.cert), str(files.key)))
+    with pytest.raises(RouterConfigError, match="cannot load --tls-ca"):
+        RouterConfig(tls=TlsConfig(ca_file=str(tmp_path / "absent.pem")))

@@ -445,6 +445,54 @@ def _kv_streams() -> None:
     assert "--kv-streams" not in container(objects(), "prefill")["args"]  # by the pod's cores
 
 
+TLS = {"tls": {"secretName": "demo-tls"}}
+
+
+def _parsed(objs: Any, pool: str) -> Any:
+    """The pod's arguments read by the real ``splitserve worker`` / ``router`` parser."""
+    import argparse
+
+    from splitserve_worker.commands import router, worker
+
+    parser = argparse.ArgumentParser()
+    (router if pool == "router" else worker).add_arguments(parser)
+    return parser.parse_args(container(objs, pool)["args"][1:])
+
+
+def _tls_secret_name() -> None:
+    from splitserve_operator.render.commands import TLS_DIR
+
+    objs = objects(TLS)
+    for pool in ("prefill", "decode", "router"):
+        (volume,) = [v for v in pod(objs, pool)["volumes"] if v["name"] == "tls"]
+        assert volume["secret"]["secretName"] == "demo-tls"
+        assert [i["key"] for i in volume["secret"]["items"]] == ["tls.crt", "tls.key", "ca.crt"]
+        mount = {m["name"]: m for m in container(objs, pool)["volumeMounts"]}["tls"]
+        assert mount == {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}
+        args = _parsed(objs, pool)
+        files = (args.tls_cert, args.tls_key, args.tls_ca)
+        assert files == (f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", f"{TLS_DIR}/ca.crt")
+        plain = _parsed(objects(), pool)
+        assert (plain.tls_cert, plain.tls_ca) == (None, None)
+        assert "tls" not in {v["name"] for v in pod(objects(), pool)["volumes"]}
+
+
+def _tls_mutual() -> None:
+    for pool in ("prefill", "decode"):
+        assert _parsed(objects(TLS), pool).tls_mutual  # on by default
+        off = objects({"tls": {"secretName": "demo-tls", "mutual": False}})
+        assert not _parsed(off, pool).tls_mutual
+        assert _parsed(off, pool).tls_ca is not None  # still TLS, one way
+    assert not hasattr(_parsed(objects(TLS), "router"), "tls_mutual")  # a worker setting
+
+
+def _tls_server_name() -> None:
+    for pool in ("prefill", "decode", "router"):
+        assert _parsed(objects(TLS), pool).tls_server_name == "splitserve-worker"
+        named = objects({"tls": {"secretName": "demo-tls", "serverName": "w.demo.svc"}})
+        assert _parsed(named, pool).tls_server_name == "w.demo.svc"
+
+
 def _planner_only() -> None:
     """SLO and Prometheus settings are the planner's (it reads the spec): tuning them must
     not change (and so restart) any workload."""
@@ -637,6 +685,9 @@ FIELD_CHECKS: dict[str, Callable[[], None]] = {
     ),
     "kvTransfer.checksums": _kv_checksums,
     "kvTransfer.streams": _kv_streams,
+    "tls.secretName": _tls_secret_name,
+    "tls.mutual": _tls_mutual,
+    "tls.serverName": _tls_server_name,
     "slo.ttft": _planner_only,
     "slo.tpot": _planner_only,
     "slo.percentile": _planner_only,

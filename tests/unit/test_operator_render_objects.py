@@ -43,6 +43,7 @@ FULL: dict[str, Any] = {
     "model": {"name": "m", "source": "org/m", "dtype": "float16"},
     "image": "img:1",
     "imagePullPolicy": "IfNotPresent",
+    "tls": {"secretName": "demo-tls", "serverName": "workers.demo.svc"},
     "imagePullSecrets": [{"name": "regcred"}],
     "prefill": {
         "replicas": 2,
@@ -260,6 +261,8 @@ def test_command_lines() -> None:
         "30",
         "--token-file",
         TOKEN_FILE,
+        "--metrics-port",
+        "9100",
     ]
     assert env(objs, "decode")["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from splitserve_worker.router.app import create_app
@@ -243,7 +244,35 @@ def test_api_key(tokenizer: Any) -> None:
         assert err["code"] == "invalid_api_key"
         error_of(c.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
         assert c.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
-        assert c.get("/health").status_code == 503  # open, and says no worker is ready
+        bare = c.get("/health")  # open to probes, and says no worker is ready
+        assert bare.status_code == 503 and bare.json() == {"status": "no decode worker is healthy"}
+        full = c.get("/health", headers={"Authorization": "Bearer s3cret"})
+        assert full.status_code == 503 and full.json()["workers"][0]["name"] == "decode@127.0.0.1:9"
+        assert error_of(c.get("/metrics"), 401)["code"] == "invalid_api_key"
+        r = c.get("/metrics", headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and "splitserve_" in r.text
+
+
+def test_health_shows_the_workers_to_anyone_when_no_key_is_set(tokenizer: Any) -> None:
+    with make_client(tokenizer) as c:
+        assert c.get("/health").json()["workers"][0]["healthy"] is False
+        assert c.get("/metrics").status_code == 200
+
+
+def test_the_router_serves_metrics_alone_on_its_metrics_port() -> None:
+    from prometheus_client import CollectorRegistry, Counter
+    from splitserve_worker.commands.router import serve_metrics
+
+    registry = CollectorRegistry()
+    Counter("splitserve_probe_total", "a counter", registry=registry).inc()
+    server = serve_metrics("127.0.0.1", 0, registry)
+    try:
+        got = httpx.get(f"http://127.0.0.1:{server.port}/metrics").text
+        assert "splitserve_probe_total 1.0" in got
+        with pytest.raises(OSError, match="choose another --metrics-port"):
+            serve_metrics("127.0.0.1", server.port, registry)
+    finally:
+        server.close()
 
 
 def test_every_route_needs_the_key_unless_documented_open(tokenizer: Any) -> None:

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 
-import grpc
 from splitserve.grpc_options import CHANNEL_OPTIONS, auth_metadata
 from splitserve.sampling import SamplingParams
+from splitserve.tls import TlsConfig, grpc_aio_channel
 from splitserve.v1 import worker_pb2 as pb
 from splitserve.v1 import worker_pb2_grpc
 
@@ -75,15 +75,21 @@ def top_from_proto(msg: pb.TopLogprobs) -> list[tuple[int, float]]:
 
 
 class WorkerClient:
-    """One insecure gRPC channel to one worker (workers sit on the cluster network)."""
+    """One gRPC channel to one worker: over TLS when ``tls`` has a CA (presenting
+    ``tls``'s certificate, for mutual TLS, when it has one), else plain."""
 
     def __init__(
-        self, address: str, token: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S
+        self,
+        address: str,
+        token: str | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.address = address
         self.timeout = timeout
         self._md = auth_metadata(token or "")
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = grpc_aio_channel(address, tls, CHANNEL_OPTIONS)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
 
     async def close(self, grace: float | None = None) -> None:
@@ -253,9 +259,16 @@ class WorkerClients:
     """One :class:`WorkerClient` per address, opened on first use and all closed together
     (a prefill worker's clients of the decode workers it pushes to)."""
 
-    def __init__(self, token: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        token: str | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        tls: TlsConfig | None = None,
+    ) -> None:
         self._token = token
         self._timeout = timeout
+        self._tls = tls
         self._clients: dict[str, WorkerClient] = {}
 
     def __len__(self) -> int:
@@ -264,7 +277,7 @@ class WorkerClients:
     def get(self, address: str) -> WorkerClient:
         client = self._clients.get(address)
         if client is None:
-            client = WorkerClient(address, self._token, timeout=self._timeout)
+            client = WorkerClient(address, self._token, timeout=self._timeout, tls=self._tls)
             self._clients[address] = client
         return client
 

@@ -319,6 +319,21 @@ class KvTransferSpec(SpecModel):
     """Connections a ``grpc`` push uses; 0: by the prefill pod's cores (2 on 8 or more)."""
 
 
+DEFAULT_TLS_SERVER_NAME = "splitserve-worker"
+"""The name every worker's certificate carries unless ``tls.serverName`` says another
+(pods are addressed by IP, so callers check one name)."""
+
+
+class TlsSpec(SpecModel):
+    secret_name: ClassName
+    """The Secret holding ``tls.crt``, ``tls.key`` and ``ca.crt`` (cert-manager's form),
+    mounted in every worker and router pod."""
+    mutual: bool = True
+    """Workers take only callers presenting a certificate the CA signed."""
+    server_name: ClassName = DEFAULT_TLS_SERVER_NAME
+    """The DNS name in the workers' certificate, which every caller checks."""
+
+
 class SloSpec(SpecModel):
     ttft: Annotated[float, Duration(at_most=600)] | None = None
     """Time to first token objective, seconds, at ``percentile``."""
@@ -395,6 +410,8 @@ class InferenceServiceSpec(SpecModel):
     decode: WorkerPoolSpec = WorkerPoolSpec()
     router: RouterSpec = RouterSpec()
     kv_transfer: KvTransferSpec = KvTransferSpec()
+    tls: TlsSpec | None = None
+    """TLS on the workers' gRPC and KV ports and on every call to them; ``None``: plain."""
     slo: SloSpec = SloSpec()
     autoscaling: AutoscalingSpec = AutoscalingSpec()
     network_policy: NetworkPolicySpec = NetworkPolicySpec()

@@ -27,9 +27,11 @@ WORKER_DRAIN_SECONDS = POD_GRACE_SECONDS - 10
 """How long a stopping worker lets running streams finish (``--drain-seconds``): most end
 where they are instead of moving to another worker; the rest move when it is up."""
 ROUTER_HTTP_PORT = 8000
-"""The router's OpenAI-compatible HTTP port; it also serves ``/metrics``."""
-ROUTER_METRICS_SERVICE_PORT = 9100
-"""Service port named ``metrics`` on the router Service (targets the HTTP port)."""
+"""The router's OpenAI-compatible HTTP port (its ``/metrics`` there needs the API key
+when one is set)."""
+ROUTER_METRICS_PORT = 9100
+"""The router's ``/metrics`` alone, without the API key: what Prometheus scrapes (the
+Service port named ``metrics``)."""
 
 WORKER_STARTUP_SECONDS = 1800
 """How long a worker may take to listen (its startup probe's budget): pulling and loading
@@ -46,6 +48,9 @@ CONFIG_FILE = "splitserve.json"
 TOKEN_DIR = "/var/run/secrets/splitserve"
 TOKEN_KEY = "token"
 TOKEN_FILE = f"{TOKEN_DIR}/{TOKEN_KEY}"
+TLS_DIR = "/var/run/secrets/splitserve-tls"
+"""Where ``spec.tls.secretName`` is mounted: ``tls.crt``, ``tls.key``, ``ca.crt``."""
+TLS_KEYS = ("tls.crt", "tls.key", "ca.crt")
 TMP_DIR = "/tmp"
 CACHE_DIR = "/cache"
 SHM_DIR = "/dev/shm"
@@ -95,10 +100,24 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
         str(WORKER_DRAIN_SECONDS),
         *(["--checksums"] if spec.kv_transfer.checksums else []),
         *(["--kv-streams", str(spec.kv_transfer.streams)] if spec.kv_transfer.streams else []),
+        *tls_args(spec, worker=True),
         *device_args(spec, pool),
         *tensor_parallel_args(spec, pool),
         *engine_args(spec, pool),
     ]
+
+
+def tls_args(spec: InferenceServiceSpec, *, worker: bool) -> list[str]:
+    """The TLS flags from ``spec.tls`` (none when it is unset): every pod presents the
+    Secret's certificate and checks its peers against its CA and the server name; workers
+    with ``mutual`` take only callers the CA signed."""
+    tls = spec.tls
+    if tls is None:
+        return []
+    cert, key, ca = (f"{TLS_DIR}/{k}" for k in TLS_KEYS)
+    out = ["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca,
+           "--tls-server-name", tls.server_name]  # fmt: skip
+    return [*out, "--tls-mutual"] if worker and tls.mutual else out
 
 
 def number(value: float) -> str:
@@ -177,6 +196,9 @@ def router_args(spec: InferenceServiceSpec, namespace: str, selector: str) -> li
         number(spec.kv_transfer.lease),
         "--token-file",
         TOKEN_FILE,
+        "--metrics-port",
+        str(ROUTER_METRICS_PORT),
+        *tls_args(spec, worker=False),
         *router_setting_args(spec),
     ]
 
@@ -236,7 +258,10 @@ def worker_ports() -> list[dict[str, Any]]:
 
 
 def router_ports() -> list[dict[str, Any]]:
-    return [{"name": "http", "containerPort": ROUTER_HTTP_PORT, "protocol": "TCP"}]
+    return [
+        {"name": "http", "containerPort": ROUTER_HTTP_PORT, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": ROUTER_METRICS_PORT, "protocol": "TCP"},
+    ]
 
 
 def startup_seconds(pool: Pool) -> int:

@@ -93,6 +93,12 @@ def _volumes(
         {"name": "tmp", "mountPath": commands.TMP_DIR},
         {"name": "cache", "mountPath": commands.CACHE_DIR},
     ]
+    if spec.tls is not None:  # the same certificate and CA in every pod
+        volumes.append({"name": "tls", "secret": {
+            "secretName": spec.tls.secret_name,
+            "defaultMode": TOKEN_FILE_MODE if own_group else TOKEN_FILE_MODE_NO_GROUP,
+            "items": [{"key": k, "path": k} for k in commands.TLS_KEYS]}})  # fmt: skip
+        mounts.append({"name": "tls", "mountPath": commands.TLS_DIR, "readOnly": True})
     if spec.model.claim is not None:  # the checkpoint (the router reads its tokenizer)
         claim = {"claimName": spec.model.claim[0], "readOnly": True}
         volumes.append({"name": "model", "persistentVolumeClaim": claim})
@@ -164,7 +170,7 @@ def _fetch_model(
         "command": [commands.EXECUTABLE],
         "args": commands.fetch_model_args(spec),
         "env": _env(pool_spec),
-        "volumeMounts": [m for m in mounts if m["name"] != "dshm"],
+        "volumeMounts": [m for m in mounts if m["name"] not in ("dshm", "tls")],
         "securityContext": security.container_security_context(),
     }
     if spec.image_pull_policy is not None:
@@ -318,8 +324,8 @@ def service(ref: ServiceRef, spec: InferenceServiceSpec, pool: Pool) -> dict[str
                 },
                 {
                     "name": "metrics",
-                    "port": commands.ROUTER_METRICS_SERVICE_PORT,
-                    "targetPort": "http",
+                    "port": commands.ROUTER_METRICS_PORT,
+                    "targetPort": "metrics",
                     "protocol": "TCP",
                 },
             ],

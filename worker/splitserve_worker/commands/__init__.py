@@ -1,1 +1,2 @@
-"""Subcommands of the ``splitserve`` command, one module each."""
+"""Subcommands of the ``splitserve`` command, one module each, and :mod:`.tls_flags`, the
+TLS flags that ``worker``, ``router`` and ``up`` share."""

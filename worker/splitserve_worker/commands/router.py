@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from splitserve_worker.commands.tls_flags import TLS_FLAGS, add_tls_arguments
+
 API_KEY_ENV = "SPLITSERVE_API_KEY"
 SECRET_ON_COMMAND_LINE = (
     "--api-key would show the key to every user of this host (ps, /proc): put it in a "
@@ -32,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="also serve /metrics, alone and without the API key, on this "
+                   "port (for Prometheus; on the API port it needs the key when one is "
+                   "set)")  # fmt: skip
     p.add_argument(
         "--workers",
         default=None,
@@ -71,6 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="any other setting of the config, e.g. queues.max_wait_s=10 "
         "(repeatable; over --config, under the flags above)",
     )
+    add_tls_arguments(p, worker=False)
     p.add_argument("--log-level", default="info")
 
 
@@ -100,6 +107,11 @@ def load_config(args: argparse.Namespace, **overrides: Any) -> Any:
             data[name] = getattr(args, name)
     if args.lease_seconds is not None:
         set_path(data, f"timeouts.lease_s={args.lease_seconds}")
+    for name in TLS_FLAGS:  # --tls-cert sets tls.cert_file, ...
+        if getattr(args, name, None) is not None:
+            key = name.removeprefix("tls_")
+            setting = key if key == "server_name" else f"{key}_file"
+            data.setdefault("tls", {})[setting] = getattr(args, name)
     data.update(overrides)
     if "max_model_len" not in data:  # what the workers serve, read from the model's config
         from splitserve_worker.models import model_context_limit
@@ -181,7 +193,24 @@ def build_app(args: argparse.Namespace, **overrides: Any) -> Any:
     api_key = read_secret(args.api_key_file, API_KEY_ENV)
     cfg = load_config(args, worker_token=token, api_key=api_key, **overrides)
     service = RouterService(cfg, load_tokenizer(args.model), make_discovery(args))
+    if args.metrics_port is not None:
+        serve_metrics(args.host, args.metrics_port, service.registry)
     return create_app(service)
+
+
+def serve_metrics(host: str, port: int, registry: Any) -> Any:
+    """``/metrics`` on a port of its own, from a daemon thread (for the process's life);
+    returns the :class:`~splitserve.metric_server.MetricsServer`."""
+    from splitserve.metric_server import start_metrics_server
+
+    if not 0 <= port < 65536:
+        raise ValueError(f"--metrics-port must be in [0, 65535], got {port}")
+    try:
+        return start_metrics_server(port, registry, host=host)
+    except OSError as e:
+        raise OSError(
+            f"cannot serve metrics on {host}:{port}: {e.strerror}; choose another --metrics-port"
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,7 +8,9 @@ once it serves); the router runs in this process. The router's API key comes fro
 no secret is ever on a command line (``ps`` shows those to every user of the host), and
 the children's environment carries no API key. Ctrl-C (or SIGTERM) stops the
 router and terminates every child; children also die with this process (Linux
-parent-death signal), so none is left behind. ``--demo`` sends one chat question,
+parent-death signal), so none is left behind. With ``--tls-cert``, ``--tls-key`` and
+``--tls-ca`` (and ``--tls-mutual``) every worker serves and calls over TLS with those
+files and the router calls them with the same. ``--demo`` sends one chat question,
 streams the answer, prints TTFT and TPOT, and exits.
 """
 
@@ -34,8 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.roles import Role
+from splitserve.tls import TlsConfig, TlsError
 
 from splitserve_worker.commands.router import API_KEY_ENV, SECRET_ON_COMMAND_LINE, read_secret
+from splitserve_worker.commands.tls_flags import add_tls_arguments, tls_args, tls_from_args
 from splitserve_worker.commands.worker import METRICS_PREFIX, READY_PREFIX
 from splitserve_worker.router.discovery import WorkerEndpoint
 
@@ -76,6 +80,7 @@ class WorkerProcs(AbstractContextManager["WorkerProcs"]):
         kv_backend: str = "tcp",
         extra_args: Sequence[str] = (),
         echo: bool = True,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.model = model
         self.roles = list(roles)
@@ -83,6 +88,8 @@ class WorkerProcs(AbstractContextManager["WorkerProcs"]):
         self.threads = threads
         self.kv_backend = kv_backend
         self.extra_args = list(extra_args)
+        self.tls = tls or TlsConfig()
+        """Every worker's TLS files (they serve and call each other with the same ones)."""
         self.echo = echo
         self.procs: list[WorkerProc] = []
         self._dir = tempfile.TemporaryDirectory(prefix="splitserve-up-")
@@ -96,7 +103,7 @@ class WorkerProcs(AbstractContextManager["WorkerProcs"]):
             "--role", role.value, "--model", self.model, "--host", "127.0.0.1", "--port", "0",
             "--token-file", str(self.token_file), "--threads", str(self.threads),
             "--kv-backend", self.kv_backend, "--parent-pid", str(os.getpid()),
-            *self.extra_args,
+            *tls_args(self.tls), *self.extra_args,
         ]  # fmt: skip
 
     def _spawn(self, role: Role) -> WorkerProc:
@@ -286,6 +293,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra argument passed to every worker (repeatable)")  # fmt: skip
     p.add_argument("--demo", action="store_true", help="ask one question, print TTFT/TPOT, exit")
+    add_tls_arguments(p, worker=True)  # the workers' files; the router calls them with the same
 
 
 async def _main(args: argparse.Namespace) -> int:
@@ -302,6 +310,16 @@ async def _main(args: argparse.Namespace) -> int:
         api_key = read_secret(args.api_key_file, API_KEY_ENV)
     except (OSError, ValueError) as e:
         raise StackError(f"cannot read the API key: {e}") from None
+    try:
+        tls = tls_from_args(args)
+        tls.check()
+    except TlsError as e:
+        raise StackError(str(e)) from None
+    if tls.enabled and not (tls.serves and tls.verifies):
+        raise StackError(
+            "a TLS stack needs --tls-cert, --tls-key and --tls-ca: every worker serves with "
+            "the certificate and calls the others checking the CA"
+        )
     roles = stack_roles(args.prefill, args.decode, args.colocated)
     check_port_free("127.0.0.1", args.port)
     # once, before any worker: a wrong name fails here, and the workers find the built-in
@@ -313,7 +331,7 @@ async def _main(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     with WorkerProcs(
-        args.model, roles, token, args.threads, args.kv_backend, args.worker_arg
+        args.model, roles, token, args.threads, args.kv_backend, args.worker_arg, tls=tls
     ) as procs:
         print(
             f"starting {len(roles)} workers ({', '.join(r.value for r in roles)}) ...", flush=True
@@ -329,6 +347,7 @@ async def _main(args: argparse.Namespace) -> int:
         cfg = RouterConfig(
             model_name=args.model, kv_backend=args.kv_backend, worker_token=token,
             api_key=api_key, max_model_len=model_context_limit(args.model),
+            tls=TlsConfig(tls.cert_file, tls.key_file, tls.ca_file, tls.server_name),
         )  # fmt: skip
         service = RouterService(cfg, tokenizer, StaticDiscovery(endpoints))
         server, task, port = await serve_router(create_app(service), "127.0.0.1", args.port)
@@ -337,6 +356,8 @@ async def _main(args: argparse.Namespace) -> int:
             if not await service.wait_ready(60):
                 raise StackError("no decode worker answered Health within 60 s")
             key = ", API key required" if api_key else ""
+            if tls.enabled:
+                key += ", workers over mutual TLS" if tls.mutual else ", workers over TLS"
             print(f"router: OpenAI API on {base}/v1 (model {args.model!r}{key})", flush=True)
             for ep in endpoints:
                 print(f"  worker {ep.role.value:8s} {ep.address}", flush=True)

@@ -18,9 +18,11 @@ import os
 import signal
 import sys
 
+from splitserve.tls import TlsError
+
+from splitserve_worker.commands.tls_flags import add_tls_arguments, tls_from_args
 from splitserve_worker.engine.config import ATTENTION_BACKENDS
 from splitserve_worker.kv.faults import FaultConfig
-from splitserve_worker.kv.tcp_tls import TlsConfig, TlsError
 from splitserve_worker.server.auth import TOKEN_ENV, TokenError, load_token
 from splitserve_worker.server.config import (
     DEFAULT_CHECKSUM_EVERY,
@@ -62,21 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "path; grpc: PushKV for any gRPC peer; nixl: NVIDIA NIXL); a prefill worker pushes "
         "over whichever the Reserve answer names",
     )
-    p.add_argument(
-        "--kv-tls-cert",
-        default=None,
-        help="PEM certificate: serve the tcp KV port over TLS (with --kv-tls-key)",
-    )
-    p.add_argument("--kv-tls-key", default=None, help="PEM private key of --kv-tls-cert")
-    p.add_argument(
-        "--kv-tls-ca",
-        default=None,
-        help="PEM CA bundle: push tcp KV over TLS only, checking decode workers' "
-        "certificates against it",
-    )
-    p.add_argument("--kv-tls-server-name", default=None,
-                   help="name decode workers' certificates must carry (default: the CA's "
-                   "signature alone is checked)")  # fmt: skip
+    add_tls_arguments(p, worker=True)
     p.add_argument(
         "--lease-seconds",
         type=float,
@@ -203,9 +191,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         checksums=args.checksums,
         checksum_every=args.checksum_every,
         kv_streams=args.kv_streams,
-        kv_tls=TlsConfig(
-            args.kv_tls_cert, args.kv_tls_key, args.kv_tls_ca, args.kv_tls_server_name
-        ),
+        tls=tls_from_args(args),
         max_num_seqs=args.max_num_seqs,
         max_batch_tokens=args.max_batch_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens,

@@ -11,8 +11,9 @@ What both sides check first (compat fields and hash) is the contract's
 - :mod:`.faults`: the failure-injection knob and hold points the transports honour;
 - the ``tcp`` backend (the fast path: one copy from the socket into the blocks):
   :mod:`.tcp_wire` (its frames, pure), :mod:`.tcp_socket` (blocking socket I/O),
-  :mod:`.tcp_tls` (optional TLS), :mod:`.tcp_server` (the decode side's port),
-  :mod:`.tcp_sender` (the prefill side's pooled connections);
+  :mod:`.tcp_server` (the decode side's port),
+  :mod:`.tcp_sender` (the prefill side's pooled connections); both over TLS when
+  configured (:mod:`splitserve.tls`);
 - the ``grpc`` backend (grpcio's own ``PushKV``, for any gRPC peer):
   :mod:`.grpc_sender`, :mod:`.kvwire` (its message without extra copies);
 - shared by ``tcp`` and ``grpc``: :mod:`.span_sender` (layers into spans, a thread per

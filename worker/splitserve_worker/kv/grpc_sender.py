@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 
 import grpc
+from splitserve.tls import grpc_channel
 from splitserve.v1 import worker_pb2
 
 from splitserve_worker.kv import kvwire
@@ -123,7 +124,7 @@ class GrpcSenderBackend:
             got = self._channels.get((address, i))
             if got is None:
                 options = [*CHANNEL_OPTIONS, ("splitserve.kv-stream", i)]
-                ch = grpc.insecure_channel(address, options=options)
+                ch = grpc_channel(address, self._ctx.tls, options)
             else:
                 ch = got[0]
             self._channels[(address, i)] = (ch, now)

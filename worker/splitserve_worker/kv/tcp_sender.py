@@ -196,7 +196,8 @@ class TcpStream:
         conn = self._b.pool.take(self._key)
         if conn is None:
             ctx = self._b.ctx
-            server_name = ctx.tls.server_name if ctx.tls is not None else None
+            # the name checked: the one every worker's certificate carries, else the host
+            server_name = (ctx.tls.server_name if ctx.tls is not None else None) or self._key[0]
             conn = TcpConnection.open(*self._key, token=ctx.token, compat_hash=self._t.compat_hash,
                                       tls=self._tls, server_name=server_name)  # fmt: skip
         with self._lock:
@@ -299,13 +300,13 @@ class TcpSenderBackend:
         if tls and self._tls is None:
             raise TransferError(
                 f"the decode worker's KV port {key[0]}:{key[1]} speaks TLS: give this worker "
-                "--kv-tls-ca (the CA that signed its certificate)",
+                "--tls-ca (the CA that signed its certificate)",
                 "handle",
             )
         if not tls and self._tls is not None:
             raise TransferError(
-                f"this worker pushes KV over TLS only (--kv-tls-ca), and the decode worker's "
-                f"KV port {key[0]}:{key[1]} is plain: give it --kv-tls-cert and --kv-tls-key",
+                f"this worker pushes KV over TLS only (--tls-ca), and the decode worker's "
+                f"KV port {key[0]}:{key[1]} is plain: give it --tls-cert and --tls-key",
                 "handle",
             )
         streams = [TcpStream(self, target, key, self._tls) for _ in range(self.streams)]

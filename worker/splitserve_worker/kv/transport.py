@@ -31,9 +31,9 @@ from splitserve_worker.kv.lease import Lease, LeaseTable
 
 if TYPE_CHECKING:
     import torch
+    from splitserve.tls import TlsConfig
 
     from splitserve_worker.kv.layout import PoolView
-    from splitserve_worker.kv.tcp_tls import TlsConfig
 
 
 class TransferError(Exception):
@@ -144,7 +144,8 @@ class BackendContext:
     """Concurrent connections one push uses (``tcp``, ``grpc``); 0: chosen by the core
     count, up to :data:`MAX_STREAMS`."""
     tls: TlsConfig | None = None
-    """TLS for the ``tcp`` backend's connections (``None``: plain)."""
+    """TLS for pushes: the ``tcp`` backend's connections and the ``grpc`` backend's
+    channels (``None``: plain)."""
     clock: Callable[[], float] = time.monotonic
     """What a sender measures a lease's remaining time on (the decode side uses its
     lease table's clock)."""

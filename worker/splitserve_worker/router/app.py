@@ -28,12 +28,14 @@ from splitserve_worker.router.request_metrics import RequestMetrics
 from splitserve_worker.router.responses import Job, choices_of
 from splitserve_worker.router.service import RouterService
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect",
+OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect",
                         "/redoc"})  # fmt: skip
 """Routes served without the API key: ``/health`` (liveness and readiness probes, which
-send no key), ``/metrics`` (Prometheus' scrape) and the API's own description (FastAPI's
-OpenAPI schema and docs pages). A test sends every route of the app without the key and
-holds the ones that answer to this list."""
+send no key: without the key it answers only its status, the workers' details need the
+key) and the API's own description (FastAPI's OpenAPI schema and docs pages).
+``/metrics`` needs the key when one is set; Prometheus scrapes the router's separate
+``--metrics-port`` instead, which serves nothing else. A test sends every route of the
+app without the key and holds the ones that answer to this list."""
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -108,9 +110,20 @@ def create_app(service: RouterService) -> FastAPI:
         jobs.check_model(model_id, cfg)
         return card
 
+    check_key = require_api_key(service.config)
+
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
+        """Ready (200) while a decode worker is healthy, else 503; the workers' details
+        only to a caller with the API key (or to anyone when none is set)."""
         snap = service.pool.snapshot()
+        ok = any(w.healthy and w.role in DECODE_ROLES for w in snap)
+        status = "ok" if ok else "no decode worker is healthy"
+        code = 200 if ok else 503
+        try:
+            await check_key(request)
+        except errors.APIError:
+            return JSONResponse({"status": status}, status_code=code)
         workers = [
             {
                 "name": w.name,
@@ -123,11 +136,9 @@ def create_app(service: RouterService) -> FastAPI:
             }
             for w in snap
         ]
-        ok = any(w.healthy and w.role in DECODE_ROLES for w in snap)
-        body = {"status": "ok" if ok else "no decode worker is healthy", "workers": workers}
-        return JSONResponse(body, status_code=200 if ok else 503)
+        return JSONResponse({"status": status, "workers": workers}, status_code=code)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[api_key])
     async def metrics() -> Response:
         return Response(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
 

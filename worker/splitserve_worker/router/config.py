@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
+from splitserve.tls import TlsConfig, TlsError
+
 
 class ConfigError(ValueError):
     """A router setting is out of range; the message names the field and the fix."""
@@ -240,6 +242,10 @@ class RouterConfig:
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    """TLS on the calls to workers (see :mod:`splitserve.tls`): ``ca_file`` turns it on
+    (workers' certificates checked against it), ``cert_file`` and ``key_file`` are the
+    router's client certificate for workers that take only mutual TLS."""
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -256,6 +262,15 @@ class RouterConfig:
             raise ConfigError(
                 f"kv_backend must be 'tcp', 'grpc' or 'nixl', got {self.kv_backend!r}"
             )
+        if self.tls.serves and not self.tls.verifies:
+            raise ConfigError(
+                "--tls-cert on the router is its client certificate for workers over TLS: "
+                "give --tls-ca too (the CA that signed the workers' certificates)"
+            )
+        try:  # the files are read now: a wrong one stops the router before it serves
+            self.tls.check()
+        except TlsError as e:
+            raise ConfigError(str(e)) from None
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> RouterConfig:

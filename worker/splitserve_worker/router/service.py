@@ -45,10 +45,10 @@ class RouterService:
             self.tokenizer, cfg.max_model_len, threads=cfg.tokenizer_threads
         )
         self.planner = RoutePlanner(cfg)
-        token = cfg.worker_token
+        token, tls = cfg.worker_token, cfg.tls
 
         def default_connect(ep: WorkerEndpoint) -> WorkerClient:
-            return WorkerClient(ep.address, token)
+            return WorkerClient(ep.address, token, tls=tls)
 
         self.pool = WorkerPool(
             self.connect or default_connect,

@@ -106,7 +106,11 @@ async def start_worker(
             interceptors=[TokenAuthInterceptor(config.token)], options=SERVER_OPTIONS
         )
         try:
-            port = server.add_insecure_port(f"{config.host}:{config.port}")
+            bind = f"{config.host}:{config.port}"
+            if config.tls.serves:  # TLS only (mutual when configured): no plain port
+                port = server.add_secure_port(bind, config.tls.grpc_server_credentials())
+            else:
+                port = server.add_insecure_port(bind)
         except RuntimeError:  # gRPC's "Failed to bind"
             raise OSError(
                 f"cannot listen on {config.host}:{config.port}: the port is taken or the "
@@ -132,7 +136,7 @@ async def start_worker(
             faults=config.faults,
             pool=PoolView(engine.kv.pool),
             leases=LeaseTable(clock),
-            tls=config.kv_tls,
+            tls=config.tls,
             clock=clock,
             name_hint=f"splitserve-{config.role}-{port}",
         )
@@ -182,7 +186,7 @@ async def start_worker(
         )
         add_to_server(service, server, engine.max_model_len)
         if handoff is not None:
-            tls = config.kv_tls.server_context() if config.kv_tls.serves else None
+            tls = config.tls.server_context() if config.tls.serves else None
             kv_port = start_tcp_server(handoff, config.host, config.kv_port, config.token, tls)
             stack.callback(kv_port.close)
         await server.start()

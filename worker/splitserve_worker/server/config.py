@@ -7,8 +7,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from splitserve.tls import TlsConfig, TlsError
+
 from splitserve_worker.kv.faults import FaultConfig
-from splitserve_worker.kv.tcp_tls import TlsConfig, TlsError
 from splitserve_worker.kv.transport import MAX_STREAMS
 
 Role = Literal["prefill", "decode", "both"]
@@ -85,9 +86,10 @@ class WorkerConfig:
     kv_streams: int = 0
     """Concurrent connections a ``tcp`` or ``grpc`` push uses; 0 chooses by core count (2
     on 8 or more, else 1)."""
-    kv_tls: TlsConfig = field(default_factory=TlsConfig)
-    """TLS for the ``tcp`` KV port (decode side: certificate and key) and its pushes
-    (prefill side: the CA); plain when empty."""
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    """TLS on this worker's gRPC and KV ports (certificate and key; ``mutual``: clients'
+    certificates checked too) and on its calls to other workers (the CA: Commit, Release
+    and KV pushes); plain when empty (see :mod:`splitserve.tls`)."""
     max_num_seqs: int = 64
     max_batch_tokens: int = 2048
     prefill_chunk_tokens: int = 512
@@ -132,14 +134,10 @@ class WorkerConfig:
             raise ConfigError(
                 f"--kv-streams must be 0 (by core count) to {MAX_STREAMS}, got {self.kv_streams}"
             )
-        if self.kv_tls.serves or self.kv_tls.verifies:
-            try:  # the files are read now: a wrong one stops the worker before it serves
-                if self.kv_tls.serves:
-                    self.kv_tls.server_context()
-                if self.kv_tls.verifies:
-                    self.kv_tls.client_context()
-            except TlsError as e:
-                raise ConfigError(str(e)) from None
+        try:  # the files are read now: a wrong one stops the worker before it serves
+            self.tls.check()
+        except TlsError as e:
+            raise ConfigError(str(e)) from None
         try:  # the engine's own checks, said with the flags' names
             self.engine_config()
         except ValueError as e:

@@ -62,7 +62,7 @@ class PrefillRunner:
         self.transfer_timeout_s = transfer_timeout_s
         self._senders: dict[str, SenderBackend] = {}
         self._senders_lock = threading.Lock()
-        self._decode_workers = WorkerClients(ctx.token)
+        self._decode_workers = WorkerClients(ctx.token, tls=ctx.tls)
         """Clients of the decode workers this one pushes to (Commit, Release), by address."""
         self._bytes = metrics.counter(names.KV_TRANSFER_BYTES)
         self._duration = metrics.histogram(names.KV_TRANSFER_DURATION)
