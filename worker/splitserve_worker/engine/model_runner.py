@@ -12,6 +12,11 @@ A forward is two halves: :meth:`ModelRunner.plan` (host work: index tensors and 
 attention plan) and :meth:`ModelRunner.run` (device work only, no host sync unless prompt
 scores are asked for), so a decode step's ``run`` can be captured in a CUDA graph over a
 plan whose tensors stay put (:mod:`.decode_graphs`).
+
+Over tensor-parallel ranks (:mod:`splitserve_worker.parallel`) the model is one rank's
+shard: the rank computes its query heads and its KV heads' K/V, attention's output
+projection and the MLP give partial sums that one all-reduce each completes, and the
+leader rank sends each forward to the others first (:class:`ForwardStep`).
 """
 
 from __future__ import annotations

@@ -78,6 +78,7 @@ class RankGroup:
             nccl = getattr(dist, "ProcessGroupNCCL", None)
             if nccl is None or device.type != "cuda":
                 raise ValueError("allreduce nccl needs CUDA and a torch built with NCCL")
+            torch.cuda.set_device(device)  # NCCL's communicator binds the current device
             self._compute: Any = nccl(dist.PrefixStore("compute", store), rank, world, timeout)
         elif allreduce == "shm":
             self._compute = self._control
@@ -85,6 +86,8 @@ class RankGroup:
         else:
             self._compute = self._control
         self.stats = CollectiveStats()
+        self.lost: str | None = None
+        """Why the group is known broken (:meth:`abort`), once it is."""
 
     @property
     def leader(self) -> bool:
@@ -131,6 +134,8 @@ class RankGroup:
 
     def send_step(self, message: Any) -> None:
         """Leader: broadcast ``message`` (picklable) to the other ranks."""
+        if self.lost is not None:
+            raise RankLost(self.lost)
         t0 = time.perf_counter()
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         size = torch.tensor([len(data)], dtype=torch.long)
@@ -149,8 +154,10 @@ class RankGroup:
         return pickle.loads(payload.numpy().tobytes())  # rank 0 of this pod
 
     def abort(self, why: str) -> None:
-        """End a shared-memory wait under way now: a rank is known to be gone (gloo and
-        NCCL notice that themselves, or time out)."""
+        """A rank is known to be gone: end a shared-memory wait under way now (gloo and
+        NCCL notice a closed peer themselves, or time out), and refuse every later
+        step message at once."""
+        self.lost = why
         if self._shm is not None:
             self._shm.abort(why)
 

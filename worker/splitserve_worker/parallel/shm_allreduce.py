@@ -32,6 +32,11 @@ FLAG_STRIDE = 8
 """int64s between two flags: one 64-byte cache line each."""
 
 SPIN_BEFORE_YIELD = 64
+SPIN_BEFORE_SLEEP = 2048
+"""Polls of a peer's flag before the waiter yields its core, then before it sleeps
+between polls (``SLEEP_S``): a peer that is computing arrives within the spins; one that
+the host has not scheduled gets the core."""
+SLEEP_S = 50e-6
 
 
 class ShmTimeout(RuntimeError):
@@ -120,8 +125,11 @@ class ShmAllReduce:
             spins += 1
             if spins < SPIN_BEFORE_YIELD:
                 continue
-            os.sched_yield()
-            if spins % 4096 == 0:
+            if spins < SPIN_BEFORE_SLEEP:
+                os.sched_yield()
+            else:  # the peer is not running: give its core back rather than spin on it
+                time.sleep(SLEEP_S)
+            if spins % 1024 == 0:
                 now = time.monotonic()
                 if deadline == 0.0:
                     deadline = now + self.timeout_s

@@ -52,6 +52,7 @@ def start_ranked_engine(
         loaded = load_sharded(model, world, 0, config.dtype, dev)
         layout = layout_of(loaded.config, world, 0)
         group = ranks.group()
+        ranks.on_lost(group.abort)
         cfg: Any = dataclasses.replace(config, device=dev)
         engine = Engine(loaded, cfg, metrics, group=group, layout=layout)
     except BaseException:
