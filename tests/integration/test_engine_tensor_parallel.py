@@ -139,3 +139,21 @@ def test_tp2_layerwise_prefill_hands_over_every_kv_head(case: tuple[Path, Ranked
         torch.testing.assert_close(gk, wk, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(gv, wv, rtol=1e-4, atol=1e-5)
     assert ranked.engine.kv.free_blocks == ranked.engine.kv.total_blocks
+
+
+def test_all_reduce_probes_run_on_every_rank_and_leave_them_in_step(
+    case: tuple[Path, RankedEngine],
+) -> None:
+    path, ranked = case
+    group = ranked.engine.group
+    assert group is not None
+    kinds = ["gloo", "shm"] if group.kind == "shm" else ["gloo"]
+    for kind in kinds:
+        assert group.probe(kind, 576, 5) > 0
+    if group.kind != "shm":
+        with pytest.raises(ValueError, match="no shared-memory all-reduce"):
+            group.probe("shm", 576, 5)
+    # the other rank is still in step: forwards run on both and give the right tokens
+    prompts = _prompts()[:3]
+    one_rank = Engine(load_model(str(path)), CONFIG)
+    assert _run(ranked.engine, prompts)[0] == _run(one_rank, prompts)[0]

@@ -16,7 +16,7 @@ from splitserve_worker.engine.config import EngineConfig
 from splitserve_worker.engine.forward_stack import build_forward
 from splitserve_worker.engine.model_runner import ForwardStep, StopRanks
 from splitserve_worker.models import LoadedModel, torch_dtype
-from splitserve_worker.parallel.collectives import RankGroup
+from splitserve_worker.parallel.collectives import ProbeAllReduce, RankGroup
 from splitserve_worker.parallel.layout import TPLayout
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,9 @@ class Follower:
             step = self.group.recv_step()
             if isinstance(step, StopRanks):
                 return
+            if isinstance(step, ProbeAllReduce):
+                self.group.run_probe(step)
+                continue
             if not isinstance(step, ForwardStep):
                 sent = type(step).__name__
                 raise UnknownStep(f"rank 0 sent {sent}; run one version on all ranks")

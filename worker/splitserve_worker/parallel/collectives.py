@@ -46,6 +46,16 @@ class CollectiveStats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ProbeAllReduce:
+    """The leader asks every rank for ``count`` back-to-back all-reduces of ``elems``
+    floats over ``path`` (``gloo`` or ``shm``): what one all-reduce costs by itself."""
+
+    path: str
+    elems: int
+    count: int
+
+
 class RankGroup:
     """One rank's view of its tensor-parallel group."""
 
@@ -160,6 +170,26 @@ class RankGroup:
         self.lost = why
         if self._shm is not None:
             self._shm.abort(why)
+
+    def probe(self, path: str, elems: int, count: int) -> float:
+        """Leader: seconds per all-reduce of ``elems`` floats over ``path``, on every rank
+        at once (the others run it from :meth:`recv_step`'s :class:`ProbeAllReduce`)."""
+        if path == "shm" and self._shm is None:
+            raise ValueError("this group has no shared-memory all-reduce (allreduce='shm')")
+        step = ProbeAllReduce(path, elems, count)
+        self.send_step(step)
+        return self.run_probe(step)
+
+    def run_probe(self, step: ProbeAllReduce) -> float:
+        t = torch.zeros(step.elems)
+        self.barrier()
+        t0 = time.perf_counter()
+        for _ in range(step.count):
+            if step.path == "shm" and self._shm is not None:
+                self._shm.all_reduce(t)
+            else:
+                self._wait(self._control.allreduce([t]))
+        return (time.perf_counter() - t0) / step.count
 
     def close(self) -> None:
         if self._shm is not None:
