@@ -106,13 +106,14 @@ def test_a_sticky_device_error_makes_the_worker_unhealthy_to_the_router(
             pool.set_endpoints([WorkerEndpoint("w", Role.BOTH, worker.address)])
             await until_health(pool, healthy=True)
             assert len(await generate(client, "before")) >= 1
+            compat = (await client.health()).compat
             fail_next_step(worker, torch.AcceleratorError(ILLEGAL_ADDRESS))
             chunks = await generate(client, "hit")
             assert chunks[-1].finish_reason == "error"
             assert "illegal memory access" in chunks[-1].error
             await asyncio.wait_for(worker.device_failed.wait(), 10)
             assert "cudaErrorIllegalAddress" in (worker.device.failure or "")
-            for call in (client.health(), client.reserve("next", 4)):
+            for call in (client.health(), client.reserve("next", 4, compat)):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await call
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
