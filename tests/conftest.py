@@ -34,6 +34,15 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_model_path_kv1(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same architecture with one KV head (fewer KV heads than tensor-parallel ranks:
+    each rank holds a replica of it)."""
+    from tiny_models import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-kv1"), num_key_value_heads=1)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_path_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same architecture saved in bfloat16, for dtype tests."""
     from tiny_models import save_tiny_llama

@@ -79,3 +79,16 @@ def test_tls_files_that_cannot_be_used_stop_every_part_at_start(
          "give --tls-ca too")  # fmt: skip
     said(splitserve("up", *model, "--port", "0", "--tls-ca", str(files.ca)), 1,
          "a TLS stack needs --tls-cert, --tls-key and --tls-ca")  # fmt: skip
+
+
+def test_a_tensor_parallel_size_the_model_or_role_cannot_take(tiny_model_path: Path) -> None:
+    base = ["worker", "--model", str(tiny_model_path), "--threads", "1"]
+    # 4 attention heads, 2 KV heads: 3 ranks cannot split them; no rank is started for it
+    said(splitserve(*base, "--role", "both", "--tensor-parallel-size", "3"), 2,
+         "--tensor-parallel-size may be 1, 2, 4")  # fmt: skip
+    said(splitserve(*base, "--role", "decode", "--tensor-parallel-size", "2"), 2,
+         "--tensor-parallel-size > 1 takes --role prefill or both")  # fmt: skip
+    said(splitserve(*base, "--role", "both", "--tensor-parallel-size", "0"), 2,
+         "--tensor-parallel-size must be >= 1")  # fmt: skip
+    said(splitserve("up", "--model", str(tiny_model_path), "--port", "0", "--decode-tp", "2"), 1,
+         "--decode-tp must be 1")  # fmt: skip

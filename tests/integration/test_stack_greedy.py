@@ -25,6 +25,7 @@ from stack_kit import (  # noqa: F401  (fixtures)
     ALWAYS_REMOTE,
     MAX_TOKENS,
     PROMPTS,
+    complete,
     decisions,
     generate_reference,
     reference_fixture,
@@ -66,38 +67,6 @@ def nixl_workers(tiny_model_path: Path) -> Iterator[tuple[str, WorkerProcs]]:
                      extra_args=["--metrics-port", "0"], echo=False) as procs:  # fmt: skip
         procs.start(timeout_s=300)
         yield token, procs
-
-
-def complete(base: str, prompt: list[int], stream: bool, **extra: Any) -> list[int]:
-    body = {
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "stream": stream,
-        **extra,
-    }
-    if not stream:
-        r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-        assert choice["finish_reason"] == "length"
-        assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS
-        return list(choice["token_ids"])
-    ids: list[int] = []
-    finish = None
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    for ln in lines[:-1]:
-        chunk = json.loads(ln[6:])
-        assert "error" not in chunk, chunk
-        ids += chunk["choices"][0].get("token_ids", [])
-        finish = chunk["choices"][0]["finish_reason"] or finish
-    assert finish == "length"
-    return ids
 
 
 def stack_router(

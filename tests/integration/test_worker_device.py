@@ -107,6 +107,7 @@ def test_a_sticky_device_error_makes_the_worker_unhealthy_to_the_router(
             await until_health(pool, healthy=True)
             compat = (await client.health()).compat
             assert len(await generate(client, "before")) >= 1
+            compat = (await client.health()).compat
             fail_next_step(worker, torch.AcceleratorError(ILLEGAL_ADDRESS))
             chunks = await generate(client, "hit")
             assert chunks[-1].finish_reason == "error"

@@ -349,11 +349,13 @@ def start_stack(
     worker_args: Sequence[str] = (),
     router_config: Mapping[str, Any] | None = None,
     router_log_level: str = "info",
+    tensor_parallel: Mapping[Role, int] | None = None,
 ) -> Stack:
     token = token or secrets.token_hex(16)
     env = {ENV_HOLD_DIR: str(workdir / "holds"), **(worker_env or {})}
     args = ["--lease-seconds", str(LEASE_S), "--num-blocks", "400", *worker_args]
-    procs = CapturingWorkerProcs(str(model), roles, token, threads=1, extra_args=args, echo=False)
+    procs = CapturingWorkerProcs(str(model), roles, token, threads=1, extra_args=args, echo=False,
+                                 tensor_parallel=tensor_parallel)  # fmt: skip
     relays: list[Relay] = []
     router: subprocess.Popen[str] | None = None
     try:

@@ -6,6 +6,7 @@ runs once per module, under its plain name (``tokenizer``)."""
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from collections.abc import Iterator
@@ -67,6 +68,60 @@ def workers_fixture(tiny_model_path: Path) -> Iterator[tuple[str, list[WorkerEnd
     roles = [Role.PREFILL, Role.DECODE, Role.BOTH]
     with WorkerProcs(str(tiny_model_path), roles, token, threads=1, echo=False) as procs:
         yield token, procs.start(timeout_s=300)
+
+
+def complete(base: str, prompt: list[int], stream: bool, **extra: Any) -> list[int]:
+    body = {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+        **extra,
+    }
+    if not stream:
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "length"
+        assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS
+        return list(choice["token_ids"])
+    ids: list[int] = []
+    finish = None
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for ln in lines[:-1]:
+        chunk = json.loads(ln[6:])
+        assert "error" not in chunk, chunk
+        ids += chunk["choices"][0].get("token_ids", [])
+        finish = chunk["choices"][0]["finish_reason"] or finish
+    assert finish == "length"
+    return ids
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from ``/proc``)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def router(token: str, tokenizer: Any, eps: list[WorkerEndpoint], **cfg: Any) -> RouterThread:

@@ -1,12 +1,14 @@
 """``splitserve up``: a local stack (workers and the router) on 127.0.0.1.
 
     splitserve up --model smollm2-135m --prefill 1 --decode 1 [--colocated K] [--demo]
+                  [--prefill-tp P] [--decode-tp D] [--colocated-tp C]
 
 Workers run as ``splitserve worker`` child processes (each prints ``READY host:port``
-once it serves); the router runs in this process. The router's API key comes from
-``--api-key-file`` or ``SPLITSERVE_API_KEY``, the workers' token from a private file:
-no secret is ever on a command line (``ps`` shows those to every user of the host), and
-the children's environment carries no API key. Ctrl-C (or SIGTERM) stops the
+once it serves), each over its ``--*-tp`` rank processes; the router runs in this
+process. The router's API key comes from ``--api-key-file`` or ``SPLITSERVE_API_KEY``,
+the workers' token from a private file: no secret is ever on a command line (``ps``
+shows those to every user of the host), and the children's environment carries no API
+key. Ctrl-C (or SIGTERM) stops the
 router and terminates every child; children also die with this process (Linux
 parent-death signal), so none is left behind. With ``--tls-cert``, ``--tls-key`` and
 ``--tls-ca`` (and ``--tls-mutual``) every worker serves and calls over TLS with those
@@ -29,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,8 +83,11 @@ class WorkerProcs(AbstractContextManager["WorkerProcs"]):
         extra_args: Sequence[str] = (),
         echo: bool = True,
         tls: TlsConfig | None = None,
+        tensor_parallel: Mapping[Role, int] | None = None,
     ) -> None:
+        """``tensor_parallel``: each role's ``--tensor-parallel-size`` (1 where unsaid)."""
         self.model = model
+        self.tensor_parallel = dict(tensor_parallel or {})
         self.roles = list(roles)
         self.token = token
         self.threads = threads
@@ -103,7 +108,9 @@ class WorkerProcs(AbstractContextManager["WorkerProcs"]):
             "--role", role.value, "--model", self.model, "--host", "127.0.0.1", "--port", "0",
             "--token-file", str(self.token_file), "--threads", str(self.threads),
             "--kv-backend", self.kv_backend, "--parent-pid", str(os.getpid()),
-            *tls_args(self.tls), *self.extra_args,
+            *tls_args(self.tls),
+            "--tensor-parallel-size", str(self.tensor_parallel.get(role, 1)),
+            *self.extra_args,
         ]  # fmt: skip
 
     def _spawn(self, role: Role) -> WorkerProc:
@@ -181,6 +188,21 @@ def stack_roles(prefill: int, decode: int, colocated: int) -> list[Role]:
     if prefill and not decode:
         raise StackError("prefill workers need at least one decode worker to hand their KV to")
     return roles
+
+
+def stack_tensor_parallel(prefill: int, decode: int, colocated: int) -> dict[Role, int]:
+    """Each role's tensor-parallel size, checked before any worker starts."""
+    sizes = {Role.PREFILL: prefill, Role.DECODE: decode, Role.BOTH: colocated}
+    for role, n in sizes.items():
+        if n < 1:
+            flag = "--colocated-tp" if role is Role.BOTH else f"--{role.value}-tp"
+            raise StackError(f"{flag} must be >= 1, got {n}")
+    if decode > 1:
+        raise StackError(
+            "--decode-tp must be 1: a decode worker receives handed-over KV into one pool; "
+            "give prefill or colocated workers more ranks instead"
+        )
+    return sizes
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -283,7 +305,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--port", type=int, default=8000, help="router HTTP port on 127.0.0.1 (0: any free port)"
     )
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker rank")
+    for role, flag in (("prefill", "--prefill-tp"), ("decode", "--decode-tp"),
+                       ("colocated", "--colocated-tp")):  # fmt: skip
+        p.add_argument(flag, type=int, default=1, metavar="N",
+                       help=f"--tensor-parallel-size of each {role} worker")  # fmt: skip
     p.add_argument(
         "--api-key-file",
         default=None,
@@ -321,6 +347,7 @@ async def _main(args: argparse.Namespace) -> int:
             "the certificate and calls the others checking the CA"
         )
     roles = stack_roles(args.prefill, args.decode, args.colocated)
+    tp = stack_tensor_parallel(args.prefill_tp, args.decode_tp, args.colocated_tp)
     check_port_free("127.0.0.1", args.port)
     # once, before any worker: a wrong name fails here, and the workers find the built-in
     # model converted (or a hub checkpoint fetched) rather than each doing it at once
@@ -331,8 +358,9 @@ async def _main(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     with WorkerProcs(
-        args.model, roles, token, args.threads, args.kv_backend, args.worker_arg, tls=tls
-    ) as procs:
+        args.model, roles, token, args.threads, args.kv_backend, args.worker_arg,
+        tls=tls, tensor_parallel=tp,
+    ) as procs:  # fmt: skip
         print(
             f"starting {len(roles)} workers ({', '.join(r.value for r in roles)}) ...", flush=True
         )

@@ -5,7 +5,9 @@ Prints one line ``READY <host:port>`` on stdout once it serves (preceded by
 when it stops taking calls, lets running ones finish for up to ``--drain-seconds``, and
 exits. A bad setting, or ``--device cuda`` where no CUDA device is visible, ends it at
 start with one ``error:`` line and status 2; a sticky device error while serving ends it
-with one ``error:`` line and status 3, for Kubernetes to restart it.
+with one ``error:`` line and status 3, for Kubernetes to restart it, as does a lost
+tensor-parallel rank (``--tensor-parallel-size N`` runs N rank processes; the others are
+ended with this one).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from splitserve_worker.server.config import (
     DEFAULT_CHECKSUM_EVERY,
     KV_BACKENDS,
     ROLES,
+    TP_ALLREDUCE,
     ConfigError,
     WorkerConfig,
 )
@@ -120,6 +123,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run decode steps eagerly on CUDA instead of replaying captured CUDA graphs",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="rank processes this worker runs its engine over, each with its share of the "
+        "attention heads, KV heads and MLP (one GPU each on CUDA); rank 0 serves gRPC",
+    )
+    p.add_argument(
+        "--tp-allreduce",
+        choices=TP_ALLREDUCE,
+        default="auto",
+        help="how the ranks sum their partials (auto: NCCL on CUDA, shared memory on the CPU)",
+    )
+    p.add_argument(
         "--checksums",
         action="store_true",
         help="crc32 every pushed KV span, and each layer again at Commit",
@@ -200,6 +216,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         faults=FaultConfig.from_env(),
         attention_backend=args.attention_backend,
         cuda_graphs=args.cuda_graphs,
+        tensor_parallel_size=args.tensor_parallel_size,
+        tp_allreduce=args.tp_allreduce,
     )
 
 

@@ -8,7 +8,9 @@ table (:mod:`.requests`, with :mod:`.reservations` and :mod:`.request_checks`),
 layer-wise prefill (:mod:`.layerwise`) and remote KV admission (:mod:`.remote_kv`), which
 both take the request table, the scheduler and the model runner they work on, then
 :class:`~.engine.Engine` (the synchronous step) and :class:`~.async_engine.AsyncEngine`
-(its asyncio front, on one engine thread). Import names from the module that defines
+(its asyncio front, on one engine thread). :mod:`.forward_stack` builds one rank's pool,
+attention and runner, for the engine and for :mod:`.follower`, the loop of a
+tensor-parallel rank other than 0. Import names from the module that defines
 them; nothing is re-exported here.
 
 A request's sampling parameters are the contract's
@@ -16,7 +18,8 @@ A request's sampling parameters are the contract's
 contract's :mod:`splitserve.prefix_hash`.
 
 May import: torch, the contract package :mod:`splitserve`, and of the worker only
-:mod:`splitserve_worker.metrics` and :mod:`splitserve_worker.models`; never the router,
+:mod:`splitserve_worker.metrics`, :mod:`splitserve_worker.models` and
+:mod:`splitserve_worker.parallel`; never the router,
 the servers, the client or the KV transports. ``prefix_cache`` and ``block_pool`` are
 pure Python, importable without torch.
 """

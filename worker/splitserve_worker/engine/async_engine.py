@@ -70,6 +70,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30.0)
             self._thread = None
+            self.engine.close()
         with self._streams_lock:
             streams = list(self._streams.items())
             self._streams.clear()

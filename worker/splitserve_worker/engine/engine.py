@@ -19,19 +19,12 @@ from splitserve.sampling import SamplingParams
 
 from splitserve_worker.engine import identity
 from splitserve_worker.engine.attention.buckets import batch_buckets
-from splitserve_worker.engine.attention.registry import select
 from splitserve_worker.engine.config import EngineConfig
 from splitserve_worker.engine.decode_graphs import DecodeGraphs
-from splitserve_worker.engine.kv_cache import KVCache, bytes_per_block
+from splitserve_worker.engine.forward_stack import build_forward
 from splitserve_worker.engine.layerwise import LayerCallback, LayerwisePrefill
 from splitserve_worker.engine.metrics import EngineMetrics
-from splitserve_worker.engine.model_runner import (
-    Chunk,
-    ModelRunner,
-    attention_scale,
-    attention_shape,
-    model_shape,
-)
+from splitserve_worker.engine.model_runner import Chunk, StopRanks, model_shape
 from splitserve_worker.engine.prefix_cache import KVCacheEvent
 from splitserve_worker.engine.remote_kv import RemoteAdmission
 from splitserve_worker.engine.requests import RequestLimits, RequestTable
@@ -46,6 +39,8 @@ from splitserve_worker.engine.sequence import (
 )
 from splitserve_worker.engine.stopping import StopChecker
 from splitserve_worker.models import LoadedModel, torch_dtype
+from splitserve_worker.parallel.collectives import RankGroup, RankLost
+from splitserve_worker.parallel.layout import TPLayout
 
 FORWARD_ERRORS = (RuntimeError, ValueError, IndexError)
 """Errors of a model forward that fail the requests in that batch, not the engine."""
@@ -61,7 +56,13 @@ class Engine:
         loaded: LoadedModel,
         config: EngineConfig | None = None,
         metrics: Metrics | None = None,
+        *,
+        group: RankGroup | None = None,
+        layout: TPLayout | None = None,
     ) -> None:
+        """With ``group`` and ``layout``, ``loaded`` is rank 0's shard of the model
+        (:func:`~splitserve_worker.parallel.sharded_load.load_sharded`) and every forward
+        runs on all ranks of the group (the others in :mod:`.follower`)."""
         self.config = config = config or EngineConfig()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -77,38 +78,21 @@ class Engine:
         self.device = device
         self.shape = shape = model_shape(model.config)
         self.block_size = config.block_size
-        per_block = bytes_per_block(
-            shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, dtype
-        )
-        num_blocks = config.num_blocks or max(
-            1, identity.kv_budget_bytes(config, device) // per_block
-        )
-        static = config.static_decode or (device.type == "cuda" and config.cuda_graphs)
-        self.kv = KVCache(
-            num_layers=shape.num_layers,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-            dtype=dtype,
-            device=device,
-            max_events=config.max_events,
-            scratch_blocks=1 if static else 0,
-        )
-        ashape = attention_shape(shape, self.kv, attention_scale(model))
-        selected = select(
-            config.attention_backend, ashape, config.max_num_seqs, self.kv.layer_blocks(0)
-        )
-        self.attention = selected.backend
-        self.runner = ModelRunner(model, self.kv, selected.backend, prepack=config.cpu_prepack)
+        self.group = group
+        self.layout = layout
+        stack = build_forward(model, config, dtype, device, group, layout)
+        self.kv = stack.kv
+        self.runner = stack.runner
+        self.attention = stack.runner.attention
         self.decode_graphs: DecodeGraphs | None = None
         """Decode steps from static buffers (CUDA graphs on CUDA), when they run here."""
-        if static and selected.backend.static_decode:
+        if stack.static and self.attention.static_decode:
             capture = device.type == "cuda" and config.cuda_graphs
             buckets = batch_buckets(config.max_num_seqs)
             self.decode_graphs = DecodeGraphs(self.runner, buckets, capture=capture)
+        why = stack.attention_why
         log.info("engine on %s (%s): %s", device, str(dtype).removeprefix("torch."),
-                 self.describe(selected.why))  # fmt: skip
+                 self.describe(why))  # fmt: skip
         self.max_model_len = identity.max_model_len(model.config, config.max_model_len)
         self.stopper = StopChecker(identity.eos_ids(model), loaded.tokenizer, self.max_model_len)
         self.scheduler = Scheduler(config, self.kv.blocks)
@@ -136,8 +120,25 @@ class Engine:
             decode = f"decode from {kind} per batch bucket ({sizes})"
         matmuls = "oneDNN prepacked" if self.runner.prepacked else "fused"
         reason = f" ({why})" if why else ""
+        tp = ""
+        if self.group is not None and self.layout is not None:
+            tp = (f", tensor parallel over {self.layout.world} ranks "
+                  f"({self.layout.describe()}, all-reduce {self.group.kind})")  # fmt: skip
         return (f"attention {self.attention.name}{reason}, {decode}, "
-                f"q/k/v and gate/up {matmuls}")  # fmt: skip
+                f"q/k/v and gate/up {matmuls}{tp}")  # fmt: skip
+
+    def close(self) -> None:
+        """Tell the other tensor-parallel ranks to return (nothing to do without them)."""
+        group = self.group
+        if group is None:
+            return
+        self.group = None
+        try:
+            group.send_step(StopRanks())
+        except RankLost:  # they are gone already
+            pass
+        finally:
+            group.close()
 
     # ---- identity ----
     def compat_info(self) -> dict[str, Any]:
@@ -228,6 +229,9 @@ class Engine:
             else:
                 logits = self.runner.forward(chunks)
         except FORWARD_ERRORS as e:
+            if self.group is not None:
+                # the other ranks may be inside this forward still: out of step for good
+                raise RankLost(f"a tensor-parallel forward failed on rank 0: {e}") from e
             out = []
             for s in plan.scheduled:
                 out.append(

@@ -96,7 +96,6 @@ class LayerwisePrefill:
         """Run a prompt's chunks, calling ``on_layer`` after each layer of each chunk."""
         total = len(seq.tokens)
         step = self.config.max_batch_tokens
-        kv = self.runner.kv
         metrics = self.metrics
         logits = torch.empty(0)
         first = True
@@ -104,15 +103,13 @@ class LayerwisePrefill:
             start = seq.num_computed
             end = min(total, start + step)
             lo = 0 if first else start
-            slots = kv.slots(seq.block_table, lo, end)
 
-            def hand_over(layer: int, slots: torch.Tensor = slots, lo: int = lo) -> None:
-                k, v = kv.read(layer, slots)
+            def hand_over(layer: int, k: torch.Tensor, v: torch.Tensor, lo: int = lo) -> None:
                 on_layer(layer, k, v, lo)
 
             chunk = Chunk(seq.block_table, start, seq.tokens[start:end], need_logits=end == total,
                           scores=seq.scores_for(end - start))  # fmt: skip
-            logits = self.runner.forward([chunk], after_layer=hand_over)
+            logits = self.runner.forward_export(chunk, lo, hand_over)
             seq.record_scores(start, chunk.scores)
             self.scheduler.commit(seq, end - start, cache=self.config.enable_prefix_cache)
             if metrics is not None:

@@ -12,10 +12,16 @@ A forward is two halves: :meth:`ModelRunner.plan` (host work: index tensors and 
 attention plan) and :meth:`ModelRunner.run` (device work only, no host sync unless prompt
 scores are asked for), so a decode step's ``run`` can be captured in a CUDA graph over a
 plan whose tensors stay put (:mod:`.decode_graphs`).
+
+Over tensor-parallel ranks (:mod:`splitserve_worker.parallel`) the model is one rank's
+shard: the rank computes its query heads and its KV heads' K/V, attention's output
+projection and the MLP give partial sums that one all-reduce each completes, and the
+leader rank sends each forward to the others first (:class:`ForwardStep`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +39,8 @@ from splitserve_worker.engine.linear import (
     prepack_available,
 )
 from splitserve_worker.engine.prompt_logprobs import ChunkScores, score_rows
+from splitserve_worker.parallel.collectives import RankGroup
+from splitserve_worker.parallel.layout import TPLayout
 
 PACK_HINT = 16
 """Rows oneDNN lays prepacked weights out for: a typical decode batch."""
@@ -65,6 +73,21 @@ class ModelShape:
     vocab_size: int
 
 
+@dataclass(frozen=True)
+class ForwardStep:
+    """What the leader rank tells the other ranks to run: the same chunks (without what
+    only the leader computes: logits and prompt scores), and from which position of the
+    single chunk a handoff gathers each layer's K/V (``None``: no handoff)."""
+
+    chunks: list[Chunk]
+    export_from: int | None = None
+
+
+@dataclass(frozen=True)
+class StopRanks:
+    """The leader is closing: the other ranks return."""
+
+
 def model_shape(config: Any) -> ModelShape:
     heads = int(config.num_attention_heads)
     hidden = int(config.hidden_size)
@@ -79,10 +102,30 @@ def model_shape(config: Any) -> ModelShape:
     )
 
 
+def rank_shape(shape: ModelShape, layout: TPLayout | None) -> ModelShape:
+    """The heads one rank computes and holds (all of them without tensor parallelism)."""
+    if layout is None:
+        return shape
+    return dataclasses.replace(
+        shape, num_heads=layout.heads_per_rank, num_kv_heads=layout.kv_heads_per_rank
+    )
+
+
 class ModelRunner:
     def __init__(
-        self, model: Any, kv: KVCache, attention: AttentionBackend, *, prepack: bool = False
+        self,
+        model: Any,
+        kv: KVCache,
+        attention: AttentionBackend,
+        *,
+        prepack: bool = False,
+        group: RankGroup | None = None,
+        layout: TPLayout | None = None,
     ) -> None:
+        """With ``group`` (and its ``layout``) the model is one rank's shard
+        (:mod:`splitserve_worker.parallel.sharded_load`): each forward all-reduces
+        attention's output projection and the MLP, and the leader rank (0) first sends the
+        other ranks the same forward (:meth:`follow` runs it there)."""
         inner = getattr(model, "model", None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
         if inner is None or not all(hasattr(inner, n) for n in needed):
@@ -91,7 +134,10 @@ class ModelRunner:
                 f"model.embed_tokens, model.layers, model.norm, model.rotary_emb); "
                 f"use Llama, Mistral, Qwen2 or Qwen3"
             )
-        self.shape = model_shape(model.config)
+        self.group = group
+        self.layout = layout
+        self.full_shape = model_shape(model.config)
+        self.shape = rank_shape(self.full_shape, layout)
         self.embed = inner.embed_tokens
         self.layers = list(inner.layers)[: self.shape.num_layers]
         self.norm = inner.norm
@@ -131,20 +177,74 @@ class ModelRunner:
         ``after_layer(i)`` is called once layer ``i``'s K/V are in the pool, before layer
         ``i + 1`` runs.
         """
+        if self.group is not None and self.group.leader:
+            self.group.send_step(ForwardStep([_plain(c) for c in chunks]))
         return self.run(self.plan(chunks), after_layer)
+
+    def forward_export(
+        self,
+        chunk: Chunk,
+        export_from: int,
+        on_layer: Callable[[int, torch.Tensor, torch.Tensor], None],
+    ) -> torch.Tensor:
+        """:meth:`forward` of one chunk, handing ``on_layer(i, k, v)`` every KV head of
+        layer ``i`` for positions ``[export_from, chunk end)`` once the layer is done (with
+        tensor parallelism each rank's heads are gathered for it)."""
+        if self.group is not None and self.group.leader:
+            self.group.send_step(ForwardStep([_plain(chunk)], export_from))
+        slots = self.kv.slots(chunk.block_table, export_from, chunk.start + len(chunk.token_ids))
+
+        def after(i: int) -> None:
+            k, v = self.export_kv(i, slots)
+            on_layer(i, k, v)
+
+        return self.run(self.plan([chunk]), after)
+
+    def export_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V ``[n, kv_heads, head_dim]`` of every KV head of the model at ``slots``: this
+        rank's own, or (tensor parallel) each head once from the ranks holding it."""
+        k, v = self.kv.read(layer, slots)
+        if self.group is None or self.layout is None:
+            return k, v
+        gk = self.group.all_gather(k)
+        gv = self.group.all_gather(v)
+        owners = self.layout.kv_owners()
+        return (torch.cat([gk[r] for r in owners], dim=1),
+                torch.cat([gv[r] for r in owners], dim=1))  # fmt: skip
+
+    def follow(self, step: ForwardStep) -> None:
+        """A non-leader rank's part of the leader's forward (no logits)."""
+        if step.export_from is None:
+            self.run(self.plan(step.chunks), logits=False)
+            return
+        c = step.chunks[0]
+        slots = self.kv.slots(c.block_table, step.export_from, c.start + len(c.token_ids))
+
+        def gather(i: int) -> None:
+            self.export_kv(i, slots)
+
+        self.run(self.plan(step.chunks), gather, logits=False)
 
     def plan(self, chunks: Sequence[Chunk]) -> StepPlan:
         """The index tensors and attention plan of one forward of ``chunks``."""
         return StepPlan.build(chunks, self.kv.block_size, self.device, self.attention)
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """The forward of a :meth:`plan`: logits ``[logit rows, vocab]``, float32."""
+    def run(
+        self,
+        plan: StepPlan,
+        after_layer: Callable[[int], None] | None = None,
+        *,
+        logits: bool = True,
+    ) -> torch.Tensor:
+        """The forward of a :meth:`plan`: logits ``[logit rows, vocab]``, float32 (none,
+        and no prompt scores, unless ``logits``)."""
         h = self.embed(plan.input_ids)
         cos, sin = self.rotary(h, plan.positions.unsqueeze(0))
         cos, sin = cos[0], sin[0]
         hd = self.shape.head_dim
         attention = self.attention
+        group = self.group
         for i, (layer, mm) in enumerate(zip(self.layers, self.matmuls, strict=True)):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
@@ -160,16 +260,29 @@ class ModelRunner:
             self.kv.write(i, plan.slots, k, v)
             kb, vb = self.kv.layer_blocks(i)
             o = attention.attend(plan.attention, q, k, v, kb, vb)
-            h = h + mm.o(o.reshape(t, -1))
-            h = h + mm.mlp(layer.post_attention_layernorm(h))
+            a = mm.o(o.reshape(t, -1))
+            if group is not None:
+                group.all_reduce(a)
+            h = h + a
+            m = mm.mlp(layer.post_attention_layernorm(h))
+            if group is not None:
+                group.all_reduce(m)
+            h = h + m
             if after_layer is not None:
                 after_layer(i)
+        if not logits:
+            return torch.empty(0)
         for lo, want in plan.scored:
             score_rows(self.norm(h[lo : lo + len(want.targets)]), self.head, want)
         if plan.logit_rows.numel() == 0:
             return torch.empty((0, self.shape.vocab_size), device=self.device)
         last = self.norm(h.index_select(0, plan.logit_rows))
         return self.head(last).float()
+
+
+def _plain(c: Chunk) -> Chunk:
+    """``c`` as the other ranks run it: its positions and blocks only."""
+    return Chunk(list(c.block_table), c.start, list(c.token_ids), need_logits=False)
 
 
 def attention_shape(shape: ModelShape, kv: KVCache, scale: float) -> AttentionShape:

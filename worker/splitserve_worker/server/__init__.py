@@ -3,10 +3,11 @@ the decode side of the KV handoff (``handoff``, and ``tcp_sink``, the tcp KV por
 to it), the prefill side (``prefill``, which calls the decode worker's Commit and
 Release through the worker client), prefix-cache events, the token check (``auth``,
 before a call's message is read), each RPC's request size (``message_limits``), the
-device's health (``device_health``: CUDA there when asked for, sticky device errors), and
+device's health (``device_health``: CUDA there when asked for, sticky device errors, a
+lost tensor-parallel rank), a tensor-parallel engine and its rank processes (``ranks``), and
 ``app.start_worker``, which assembles a worker and closes whatever it started when a
 step fails.
 
 May import: the contract, the worker client (:mod:`splitserve_worker.client`), the
-engine, the KV transports and ``metrics``; never the router or the commands.
+engine, the KV transports, ``parallel`` and ``metrics``; never the router or the commands.
 """

@@ -30,6 +30,7 @@ from splitserve_worker.kv.transport import (
     create_receiver_backend,
 )
 from splitserve_worker.metrics import gpu as gpu_metrics
+from splitserve_worker.parallel.collectives import RankLost
 from splitserve_worker.server.auth import TokenAuthInterceptor
 from splitserve_worker.server.config import WorkerConfig
 from splitserve_worker.server.device_health import DeviceHealth, require_device
@@ -79,26 +80,44 @@ async def start_worker(
     from splitserve_worker.engine.async_engine import AsyncEngine
     from splitserve_worker.engine.engine import Engine
     from splitserve_worker.models import load_model
+    from splitserve_worker.server.ranks import start_ranked_engine
 
     require_device(config.device)
-    if loaded is None:
+    tp = config.tensor_parallel_size
+    if loaded is None and tp == 1:
         loaded = await asyncio.to_thread(
             load_model, config.model, dtype=config.dtype, device=config.device
         )
     stack = contextlib.AsyncExitStack()
     try:
         metrics = Metrics(CollectorRegistry())
-        engine = Engine(loaded, config.engine_config(), metrics)  # type: ignore[arg-type]
-        gpu_metrics.register_device_metrics(metrics.registry, engine.device.type)
         device = DeviceHealth()
         device_failed = asyncio.Event()
         loop = asyncio.get_running_loop()
 
-        def failed(_: str) -> None:  # on the engine thread
+        def failed(_: str) -> None:  # on the engine thread, or the rank watcher's
             loop.call_soon_threadsafe(device_failed.set)
 
         device.on_failure(failed)
-        aengine = AsyncEngine(engine, on_error=device.observe).start()
+        engine_config: Any = config.engine_config()
+        if tp > 1:
+            ranked = await asyncio.to_thread(
+                start_ranked_engine, config.model, tp, engine_config, metrics,
+                allreduce=config.tp_allreduce,
+            )  # fmt: skip
+            stack.callback(ranked.ranks.stop)
+            ranked.ranks.on_lost(device.fail)
+            engine = ranked.engine
+        else:
+            engine = Engine(loaded, engine_config, metrics)
+        gpu_metrics.register_device_metrics(metrics.registry, engine.device.type)
+
+        def on_error(e: BaseException) -> None:  # on the engine thread
+            if isinstance(e, RankLost):
+                device.fail(str(e))
+            device.observe(e)
+
+        aengine = AsyncEngine(engine, on_error=on_error).start()
         stack.push_async_callback(aengine.close)
         compat = Compat.from_mapping(engine.compat_info())
 
@@ -142,7 +161,8 @@ async def start_worker(
         )
 
         handoff = None
-        if config.serves_decode:
+        # KV lands in one pool: a tensor-parallel worker (role both) takes no remote KV
+        if config.serves_decode and tp == 1:
             # tcp and grpc cost nothing until used: a decode worker takes both, and NIXL
             # when configured
             names = sorted({"tcp", "grpc", config.kv_backend})

@@ -40,6 +40,9 @@ def _as_flags(message: str) -> str:
     return re.sub(r"\b(" + "|".join(ENGINE_FLAGS) + r")\b", lambda m: ENGINE_FLAGS[m[1]], message)
 
 
+TP_ALLREDUCE = ("auto", "gloo", "shm", "nccl")
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     role: Role
@@ -105,6 +108,11 @@ class WorkerConfig:
     """``auto``, ``sdpa``, ``flex`` or ``flashinfer`` (see the engine's config)."""
     cuda_graphs: bool = True
     """Replay decode steps as CUDA graphs on CUDA (``--no-cuda-graphs`` turns it off)."""
+    tensor_parallel_size: int = 1
+    """Rank processes one engine runs over (each with its share of the heads and MLP)."""
+    tp_allreduce: str = "auto"
+    """How the ranks all-reduce: ``auto`` (NCCL on CUDA, shared memory on the CPU),
+    ``gloo``, ``shm`` or ``nccl``."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -138,6 +146,20 @@ class WorkerConfig:
             self.tls.check()
         except TlsError as e:
             raise ConfigError(str(e)) from None
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(
+                f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}"
+            )
+        if self.tp_allreduce not in TP_ALLREDUCE:
+            raise ConfigError(
+                f"--tp-allreduce must be one of {', '.join(TP_ALLREDUCE)}, "
+                f"got {self.tp_allreduce!r}"
+            )
+        if self.tensor_parallel_size > 1 and self.role == "decode":
+            raise ConfigError(
+                "--tensor-parallel-size > 1 takes --role prefill or both: a decode worker "
+                "receives KV into one pool; run decode workers with --tensor-parallel-size 1"
+            )
         try:  # the engine's own checks, said with the flags' names
             self.engine_config()
         except ValueError as e:

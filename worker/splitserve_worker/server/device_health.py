@@ -195,13 +195,18 @@ class DeviceHealth:
         why = sticky_device_error(exc)
         if why is None:
             return
+        self.fail(
+            f"the GPU failed with a sticky error ({why}); this worker cannot "
+            "use it again and is restarting"
+        )
+
+    def fail(self, message: str) -> None:
+        """Fail the worker for good with ``message`` (a sticky device error, a lost
+        tensor-parallel rank); only the first failure counts."""
         with self._lock:
             if self._failure is not None:
                 return
-            self._failure = (
-                f"the GPU failed with a sticky error ({why}); this worker cannot "
-                "use it again and is restarting"
-            )
+            self._failure = message
             listeners = list(self._listeners)
         log.error("%s", self._failure)
         for listener in listeners:

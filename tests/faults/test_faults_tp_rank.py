@@ -1,0 +1,71 @@
+"""A tensor-parallel rank other than 0 is killed (``kill -9``) while 20 streams run: its
+worker fails visibly (it stops answering, exits with status 3 saying which rank went, and
+leaves no rank process), every request completes on the other worker with the right
+greedy tokens or ends with a clear error within the bound, and the survivor's free
+blocks come back to where they started."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from splitserve.roles import Role
+from stack_kit import alive, child_pids
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+N = 20
+MAX_TOKENS = 48
+BOUND_S = 45.0
+TP_WORKER, OTHER = 0, 1
+
+
+def test_a_killed_rank_takes_its_worker_down_and_requests_finish_elsewhere(
+    stack_factory: Any, kit: Any, tiny_model_path: Path
+) -> None:
+    s = stack_factory(tiny_model_path, [Role.BOTH, Role.DECODE],
+                      tensor_parallel={Role.BOTH: 2})  # fmt: skip
+    worker = s.procs.procs[TP_WORKER].proc
+    (rank1,) = child_pids(worker.pid)
+
+    async def go() -> None:
+        prompts = [kit.prompt_of(7000 + i) for i in range(N)]
+        expected = await asyncio.to_thread(kit.reference_tokens, tiny_model_path, prompts,
+                                           MAX_TOKENS)  # fmt: skip
+        base = await s.baseline_of([OTHER])
+        armed = s.hold(TP_WORKER, "stream")
+        run = asyncio.create_task(kit.many_requests(s, prompts, MAX_TOKENS, BOUND_S))
+        deadline = time.monotonic() + 30
+        while not s.reached(TP_WORKER, "stream"):
+            assert time.monotonic() < deadline and not run.done(), "no stream reached the TP worker"
+            await asyncio.sleep(0.01)
+        os.kill(rank1, signal.SIGKILL)  # mid-stream: a stream of this worker is held
+        armed.unlink()
+        outcomes = await run
+        hung = [o.index for o in outcomes if o.hung]
+        assert not hung, kit.describe(outcomes)
+        done = 0
+        for o in outcomes:
+            if o.completed:
+                assert o.tokens == expected[o.index], f"request {o.index} got wrong tokens"
+                done += 1
+            else:
+                err = (o.error_body or {}).get("error", {})
+                assert err.get("message") and err.get("type"), f"not an OpenAI error: {o}"
+        assert done > 0, kit.describe(outcomes)
+        settled = await s.wait_settled(base)
+        h = settled[OTHER]
+        assert (h.free_blocks, h.leases, h.running, h.waiting) == (base[OTHER], 0, 0, 0)
+        await s.wait_router_sees([OTHER])
+
+    asyncio.run(go())
+    assert worker.wait(30) == 3
+    said = [ln for ln in s.procs.lines if "error:" in ln and "tensor-parallel rank 1" in ln]
+    assert said, s.procs.lines[-20:]
+    assert not alive(rank1)
+    assert TP_WORKER not in s.survivors()

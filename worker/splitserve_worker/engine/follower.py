@@ -1,0 +1,56 @@
+"""A tensor-parallel rank other than 0: its shard of the model, its heads' KV pool, and
+a loop running whatever forward the leader rank sends (:mod:`splitserve_worker.parallel`).
+
+It holds no requests and no scheduler: rank 0 decides every step and sends each forward's
+chunks (positions and block tables) before running it itself, so the pools of all ranks
+hold the same blocks for the same sequences, each with its own heads.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from splitserve_worker.engine.config import EngineConfig
+from splitserve_worker.engine.forward_stack import build_forward
+from splitserve_worker.engine.model_runner import ForwardStep, StopRanks
+from splitserve_worker.models import LoadedModel, torch_dtype
+from splitserve_worker.parallel.collectives import ProbeAllReduce, RankGroup
+from splitserve_worker.parallel.layout import TPLayout
+
+log = logging.getLogger(__name__)
+
+
+class UnknownStep(RuntimeError):
+    """The leader sent something this rank cannot run (ranks of different versions)."""
+
+
+class Follower:
+    def __init__(
+        self, loaded: LoadedModel, config: EngineConfig, group: RankGroup, layout: TPLayout
+    ) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        dtype = loaded.dtype if config.dtype == "auto" else torch_dtype(config.dtype)
+        device = torch.device(config.device or loaded.device)
+        self.group = group
+        self.stack = build_forward(loaded.model, config, dtype, device, group, layout)
+        self.steps = 0
+
+    def serve(self) -> None:
+        """Run the leader's forwards until it says stop (or a rank is lost: raises
+        :class:`~splitserve_worker.parallel.collectives.RankLost`)."""
+        runner = self.stack.runner
+        while True:
+            step = self.group.recv_step()
+            if isinstance(step, StopRanks):
+                return
+            if isinstance(step, ProbeAllReduce):
+                self.group.run_probe(step)
+                continue
+            if not isinstance(step, ForwardStep):
+                sent = type(step).__name__
+                raise UnknownStep(f"rank 0 sent {sent}; run one version on all ranks")
+            runner.follow(step)
+            self.steps += 1
