@@ -127,6 +127,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--checksums", action="store_true", help="crc32 every pushed KV layer")
     p.add_argument(
+        "--switchable",
+        action="store_true",
+        help="let SwitchRole change this worker's role in place (weights stay loaded; it "
+        "drains for up to --drain-seconds first); the KV port is open whatever the role",
+    )
+    p.add_argument(
         "--kv-streams",
         type=int,
         default=0,
@@ -183,6 +189,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         num_blocks=args.num_blocks,
         threads=args.threads,
         checksums=args.checksums,
+        switchable=args.switchable,
         kv_streams=args.kv_streams,
         kv_tls=TlsConfig(
             args.kv_tls_cert, args.kv_tls_key, args.kv_tls_ca, args.kv_tls_server_name

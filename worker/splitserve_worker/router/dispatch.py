@@ -7,7 +7,9 @@ pushes the KV and commits). Local: Generate on the decode worker alone.
 
 Failures: a failed prefill retries on another prefill worker; a decode worker
 lost before the first token retries on another; one lost mid-stream migrates
-(prompt plus the tokens so far, prefilled elsewhere). After ``max_retries``
+(prompt plus the tokens so far, prefilled elsewhere). A worker that refuses or ends
+an attempt because it is switching its role is marked as such at once, and the
+request goes on elsewhere the same way, not counted as a failure. After ``max_retries``
 the request ends with :class:`RequestFailed`. However an attempt ends, a
 cleanup task cancels it on every worker it touched, so no KV stays held.
 
@@ -50,8 +52,10 @@ from splitserve_worker.router.failures import (
     AttemptFailed,
     RequestFailed,
     Stale,
+    WorkerSwitching,
     rpc_code,
     rpc_details,
+    switching,
     unsendable,
 )
 from splitserve_worker.router.planner import NoWorker, Plan, RoutePlanner
@@ -91,6 +95,10 @@ waits (gRPC's flow control holds the worker's sends) until the request takes the
 MAX_REPLANS = 8
 """Most times one request is planned again from the top because no worker fitted it
 when its prefill slot came (see :class:`~splitserve_worker.router.failures.Stale`)."""
+
+MAX_SWITCH_MOVES = 32
+"""Most times one request is planned elsewhere because a worker it was on switched its
+role (see :class:`~splitserve_worker.router.failures.WorkerSwitching`)."""
 
 
 class Dispatcher:
@@ -148,7 +156,7 @@ class Dispatcher:
             last: AttemptFailed | None = None
             failures = 0
             attempt = 0
-            replans = 0
+            replans = moves = 0
             while True:
                 prompt = req.prompt + tuple(produced)
                 sampling = replace(
@@ -174,6 +182,15 @@ class Dispatcher:
                             if ev.finish_reason is not None:
                                 return
                     raise AssertionError(f"attempt {rid} ended without a finish reason")
+                except WorkerSwitching as e:
+                    self.pool.mark_switching(e.worker, e.instance)
+                    moves += 1
+                    if moves > MAX_SWITCH_MOVES:
+                        raise RequestFailed(
+                            503, "the workers of this request kept switching roles; retry later"
+                        ) from None
+                    log.info("request %s moves off %s: %s", rid, e.worker, e.detail)
+                    self._retries.labels(reason="role_switch").inc()
                 except Stale:
                     replans += 1
                     if replans <= MAX_REPLANS:
@@ -332,6 +349,8 @@ class Dispatcher:
             raise unsendable(e) from e
         if isinstance(e, grpc.RpcError):
             code = rpc_code(e)
+            if switching(e):
+                raise WorkerSwitching(d_view, rpc_details(e))
             if code is grpc.StatusCode.INVALID_ARGUMENT:
                 raise RequestFailed(400, f"the worker refused the request: {e.details()}")
             raise AttemptFailed(d_view, "decode_lost", rpc_details(e), lost=code in LOST_CODES)
@@ -382,6 +401,8 @@ class Dispatcher:
         except UNSENDABLE as e:
             raise unsendable(e) from e
         except grpc.RpcError as e:
+            if switching(e):
+                raise WorkerSwitching(d_view, f"Reserve: {rpc_details(e)}") from None
             code = rpc_code(e)
             raise AttemptFailed(
                 d_view, "reserve_failed", f"Reserve: {rpc_details(e)}", lost=code in LOST_CODES
@@ -404,6 +425,8 @@ class Dispatcher:
         except UNSENDABLE as e:
             raise unsendable(e) from e
         except grpc.RpcError as e:
+            if switching(e):
+                raise WorkerSwitching(p_view, f"Prefill: {rpc_details(e)}") from None
             code = rpc_code(e)
             if code is grpc.StatusCode.INVALID_ARGUMENT:
                 msg = f"the prefill worker refused the request: {e.details()}"
