@@ -432,10 +432,15 @@ class Dispatcher:
                 msg = f"the prefill worker refused the request: {e.details()}"
                 raise RequestFailed(400, msg) from None
             # the push reaches the decode worker: when it is down, it is the one to blame
-            if not await self._answers(dconn):
+            dh = await self._health(dconn)
+            if dh is None:
                 raise AttemptFailed(
                     d_view, "decode_lost", "decode worker unreachable during the push", lost=True
                 ) from None
+            if dh.switching or dh.switches != d_view.switches:
+                # its reservation went with a role switch: plan again, blaming no one
+                detail = f"switched during the push: {rpc_details(e)}"
+                raise WorkerSwitching(d_view, detail) from None
             # both answer: the request failed (say its lease ran out under load), not a worker
             lost = code in LOST_CODES and not await self._answers(pconn)
             raise AttemptFailed(
@@ -448,12 +453,15 @@ class Dispatcher:
             resp.transfer_seconds,
         )
 
-    async def _answers(self, conn: WorkerConn) -> bool:
+    async def _health(self, conn: WorkerConn) -> Any:
+        """The worker's Health answer, or None when it does not answer."""
         try:
-            await conn.health(self.config.timeouts.connect_s)
+            return await conn.health(self.config.timeouts.connect_s)
         except (grpc.RpcError, TimeoutError, OSError):
-            return False
-        return True
+            return None
+
+    async def _answers(self, conn: WorkerConn) -> bool:
+        return await self._health(conn) is not None
 
     def _spawn_cleanup(self, rid: str, conns: list[WorkerConn]) -> None:
         async def cleanup() -> None:

@@ -204,6 +204,7 @@ class WorkerPool:
             role=role,
             switching=h.switching,
             healthy=not h.switching,
+            switches=h.switches,
             free_blocks=h.free_blocks,
             total_blocks=h.total_blocks,
             running=h.running,

@@ -70,6 +70,13 @@ class RoleState:
             ((SWITCHING_METADATA, to.value),),
         )
 
+    def wrong_role(self, message: str) -> RpcFailure:
+        """What a call for a role this worker does not serve gets: FAILED_PRECONDITION,
+        and on a switchable worker the switching metadata too (the caller's view of its
+        role is stale: it plans elsewhere and reads the role again)."""
+        metadata = ((SWITCHING_METADATA, self.role.value),) if self.switchable else ()
+        return RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, message, metadata)
+
     def check_new_work(self) -> None:
         """Raise the switch's refusal while one is under way."""
         if self.switching:

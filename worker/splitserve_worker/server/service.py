@@ -110,8 +110,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """The decode side; ``new_work``: a call that starts a request here (refused while
         a switch drains), not one that carries on a reservation."""
         if self.handoff is None or not self.state.role.can_decode:
-            raise RpcFailure(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise self.state.wrong_role(
                 f"this worker's role is {self.role!r}: it does not receive KV or decode "
                 "remote requests (use a decode or both worker)",
             )
@@ -122,8 +121,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def _prefill(self) -> PrefillRunner:
         self.state.check_new_work()
         if self.prefill is None or not self.state.role.can_prefill:
-            raise RpcFailure(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise self.state.wrong_role(
                 f"this worker's role is {self.role!r}: it does not run Prefill "
                 "(use a prefill or both worker)",
             )
@@ -243,8 +241,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             else:
                 self.state.check_new_work()
                 if not self.state.role.can_decode:
-                    raise RpcFailure(
-                        grpc.StatusCode.FAILED_PRECONDITION,
+                    raise self.state.wrong_role(
                         f"this worker's role is {self.role!r}: it does not decode",
                     )
                 registered = self._start_stream(rid)
