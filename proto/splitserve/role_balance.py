@@ -13,7 +13,10 @@ The rule, in order (the first that applies decides):
 4. the other side, the donor, must be comfortable: no pressure and its latency under
    ``comfort_band`` of its SLO (hysteresis in level: a donor near its SLO would be the
    needy side after the switch, and the next tick would switch back);
-5. the donor must have a switchable worker to give and keep ``min_per_role`` workers;
+5. the donor must have a switchable worker to give and keep ``min_per_role`` workers
+   (``both`` workers count for each role); when its last one would go and
+   ``colocate_last`` allows, that worker switches to ``both`` instead (it keeps its
+   role and takes the needy one too: two workers can still rebalance);
 6. at most one switch per ``min_dwell_s``;
 7. cost: a switch costs the donor's drain plus the prefix cache it loses (its hit
    ratio times ``cache_rewarm_s``); a new pod costs its cold start. Switch when that is
@@ -75,19 +78,23 @@ class Split:
     switching: int = 0
     fixed_prefill: int = 0
     fixed_decode: int = 0
+    both: int = 0
+    """Switchable workers serving both roles (colocated) now."""
 
     def flex(self, role: Role) -> int:
-        return self.prefill if role is Role.PREFILL else self.decode
+        return {Role.PREFILL: self.prefill, Role.DECODE: self.decode, Role.BOTH: self.both}[role]
 
     def serving(self, role: Role) -> int:
         fixed = self.fixed_prefill if role is Role.PREFILL else self.fixed_decode
-        return fixed + self.flex(role)
+        return fixed + self.flex(role) + self.both
 
-    def after(self, to: Role) -> Split:
-        """The split once one worker switched to ``to``."""
-        if to is Role.PREFILL:
-            return replace(self, prefill=self.prefill + 1, decode=self.decode - 1)
-        return replace(self, prefill=self.prefill - 1, decode=self.decode + 1)
+    def after(self, frm: Role, to: Role) -> Split:
+        """The split once one worker switched from ``frm`` to ``to``."""
+        counts = {Role.PREFILL: self.prefill, Role.DECODE: self.decode, Role.BOTH: self.both}
+        counts[frm] -= 1
+        counts[to] += 1
+        return replace(self, prefill=counts[Role.PREFILL], decode=counts[Role.DECODE],
+                       both=counts[Role.BOTH])  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,8 @@ class BalanceConfig:
     """A switch that costs more is not made, even with no pod to add."""
     min_per_role: int = 1
     """Workers each role keeps, fixed and switchable together."""
+    colocate_last: bool = True
+    """When the donor's last worker would go, switch it to ``both`` instead."""
 
     def __post_init__(self) -> None:
         for name in ("min_dwell_s", "sustain_s", "cache_rewarm_s", "max_switch_cost_s"):
@@ -151,12 +160,25 @@ class BalanceDecision:
     detail: str
     memory: BalanceMemory
     switch_cost_s: float | None = None
+    switch_from: Role | None = None
+    """The role of the worker that switches."""
 
-    @property
-    def switch_from(self) -> Role | None:
-        if self.switch_to is None:
-            return None
-        return Role.DECODE if self.switch_to is Role.PREFILL else Role.PREFILL
+
+def _move(
+    split: Split, donor: Role, needy: Role, config: BalanceConfig
+) -> tuple[Role, Role] | None:
+    """Which worker switches, from and to what role: a donor-only worker to the needy
+    role while the donor's role keeps ``min_per_role``, else (``colocate_last``) to
+    ``both``; or a colocated worker drops the donor's role. None: no worker may go."""
+    keeps = split.serving(donor) - 1 >= config.min_per_role
+    if split.flex(donor) >= 1:
+        if keeps:
+            return donor, needy
+        if config.colocate_last:
+            return donor, Role.BOTH
+    if split.both >= 1 and keeps:
+        return Role.BOTH, needy
+    return None
 
 
 def decide(
@@ -196,10 +218,13 @@ def decide(
     if not donor.comfortable(config.comfort_band):
         ratio = "no reading" if donor.slo_ratio is None else f"{donor.slo_ratio:.3g}x SLO"
         return hold(Reason.DONOR_BUSY, f"{donor_role} is not comfortable ({ratio})", memory)
-    if split.flex(donor_role) < 1 or split.serving(donor_role) - 1 < config.min_per_role:
+    move = _move(split, donor_role, needy, config)
+    if move is None:
         return hold(Reason.NO_DONOR, f"no switchable {donor_role} worker to give "
-                    f"({split.flex(donor_role)} switchable, {split.serving(donor_role)} "
-                    f"serving, {config.min_per_role} kept)", memory)  # fmt: skip
+                    f"({split.flex(donor_role)} switchable, {split.both} colocated, "
+                    f"{split.serving(donor_role)} serving, {config.min_per_role} kept)",
+                    memory)  # fmt: skip
+    frm, to = move
     if memory.last_switch_at is not None and now - memory.last_switch_at < config.min_dwell_s:
         return hold(Reason.DWELL, f"last switch {now - memory.last_switch_at:g} s ago, "
                     f"dwell {config.min_dwell_s:g} s", memory)  # fmt: skip
@@ -211,6 +236,6 @@ def decide(
         return BalanceDecision(None, Reason.TOO_COSTLY, f"a switch costs {cost:.3g} s, over "
                                f"{config.max_switch_cost_s:g} s", memory, cost)  # fmt: skip
     done = BalanceMemory(last_switch_at=now)
-    return BalanceDecision(needy, Reason.SWITCH, f"{donor_role} -> {needy}: {needy} under "
-                           f"pressure for {pressed_for:g} s, a switch costs {cost:.3g} s vs "
-                           f"{costs.cold_start_s:.3g} s for a new pod", done, cost)  # fmt: skip
+    detail = (f"{frm} -> {to}: {needy} under pressure for {pressed_for:g} s, a switch "
+              f"costs {cost:.3g} s vs {costs.cold_start_s:.3g} s for a new pod")  # fmt: skip
+    return BalanceDecision(to, Reason.SWITCH, detail, done, cost, frm)

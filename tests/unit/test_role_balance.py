@@ -68,11 +68,33 @@ SUSTAINED_DECODE = BalanceMemory(needy=Role.DECODE, needy_since=0.0)
             None,
             Reason.NO_DONOR,
         ),
-        # the last decode worker is never given away ...
+        # the last decode worker is never given away: it serves both roles instead
         (
             HOT,
             CALM,
             Split(prefill=1, decode=1),
+            COSTS,
+            SUSTAINED,
+            10.0,
+            Role.BOTH,
+            Reason.SWITCH,
+        ),
+        # with a colocated worker beside it, a prefill-only one may go to decode ...
+        (
+            CALM,
+            KV_FULL,
+            Split(prefill=1, decode=0, both=1),
+            COSTS,
+            SUSTAINED_DECODE,
+            10.0,
+            Role.DECODE,
+            Reason.SWITCH,
+        ),
+        # ... but the colocated one is the last decode worker: it cannot drop decode
+        (
+            HOT,
+            CALM,
+            Split(prefill=1, decode=0, both=1),
             COSTS,
             SUSTAINED,
             10.0,
@@ -199,12 +221,27 @@ def test_a_mix_that_turns_switches_once_per_dwell_and_back() -> None:
         reasons[now] = d.reason
         if d.switch_to is not None:
             switches.append((now, d.switch_to))
-            split = split.after(d.switch_to)
+            assert d.switch_from is not None
+            split = split.after(d.switch_from, d.switch_to)
     # pressure from t=0 sustained 10 s; the mix turns at 200, sustained 10 s; decode
     # still short after the first worker: the second moves once the dwell (60 s) is over
     assert switches == [(10.0, Role.PREFILL), (210.0, Role.DECODE), (270.0, Role.DECODE)]
     assert {reasons[t] for t in (240.0, 250.0, 260.0, 265.0)} == {Reason.DWELL}
     assert split == replace(SPLIT, prefill=0, decode=2)
+
+
+def test_without_colocation_the_last_worker_of_a_role_stays() -> None:
+    no_both = BalanceConfig(sustain_s=10, colocate_last=False)
+    d = decide(HOT, CALM, Split(prefill=1, decode=1), COSTS, SUSTAINED, 10.0, no_both)
+    assert (d.switch_to, d.reason) == (None, Reason.NO_DONOR)
+
+
+def test_a_colocated_worker_gives_up_a_role_that_others_still_serve() -> None:
+    d = decide(HOT, CALM, Split(prefill=0, decode=1, both=1), COSTS, SUSTAINED, 10.0, CFG)
+    # the decode-only worker may go (the colocated one still decodes)
+    assert (d.switch_from, d.switch_to) == (Role.DECODE, Role.PREFILL)
+    d = decide(HOT, CALM, Split(prefill=0, decode=0, both=2), COSTS, SUSTAINED, 10.0, CFG)
+    assert (d.switch_from, d.switch_to) == (Role.BOTH, Role.PREFILL)
 
 
 def test_bad_config_says_which_field() -> None:

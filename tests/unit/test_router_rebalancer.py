@@ -69,9 +69,9 @@ async def test_slow_first_tokens_move_the_idler_decode_worker_to_prefill_once_pe
         now[0] += 1.0
     await r.close()
     # pressure seen at 100, sustained 2 s at 102: b (idler than c) goes to prefill; then
-    # prefill is still slow, sustained again by 105, but c is the last decode worker
+    # prefill is still slow, sustained again by 105, but the last switch was 3 s ago
     assert reasons == [Reason.SUSTAIN, Reason.SUSTAIN, Reason.SWITCH,
-                       Reason.SUSTAIN, Reason.SUSTAIN, Reason.NO_DONOR]  # fmt: skip
+                       Reason.SUSTAIN, Reason.SUSTAIN, Reason.DWELL]  # fmt: skip
     assert workers.marked == ["b"] and workers.asked == [("b", Role.PREFILL)]
     assert r.switches == [(102.0, "b", Role.PREFILL)]
 

@@ -157,6 +157,7 @@ class Rebalancer:
         return Split(
             prefill=sum(1 for v in flex if v.healthy and v.role is Role.PREFILL),
             decode=sum(1 for v in flex if v.healthy and v.role is Role.DECODE),
+            both=sum(1 for v in flex if v.healthy and v.role is Role.BOTH),
             switching=sum(1 for v in flex if v.switching) + len(self._tasks),
             fixed_prefill=sum(1 for v in fixed if v.role.can_prefill),
             fixed_decode=sum(1 for v in fixed if v.role.can_decode),
