@@ -6,7 +6,10 @@ must agree on, and nothing else.
 - :mod:`splitserve.metric_names`: every metric name, kind, label and bucket splitserve
   exports, read by the workers that export them and by the operator's planner queries,
   dashboards and alerts.
-- :mod:`splitserve.roles`: the roles a worker serves.
+- :mod:`splitserve.roles`: the roles a worker serves, and the metadata a worker that is
+  switching its role marks its refusals with.
+- :mod:`splitserve.role_balance`: when a switchable worker should change role (pure),
+  decided alike by the operator's planner and by ``splitserve up --flex``.
 - :mod:`splitserve.sampling`: a request's sampling parameters and their bounds, built by
   the router, sent by the worker client, read back by the worker and followed by the
   engine's sampler.

@@ -158,6 +158,33 @@ KV_TRANSFER_FAILURES = MetricSpec(
     "KV transfers that failed.",
     ("backend", "reason"),
 )
+WORKER_ROLE = MetricSpec(
+    PREFIX + "worker_role_active",
+    Kind.GAUGE,
+    "1 for the role a worker serves now, 0 for the others (a switchable worker changes it).",
+    ("role",),
+)
+ROLE_SWITCH_IN_PROGRESS = MetricSpec(
+    PREFIX + "role_switch_in_progress",
+    Kind.GAUGE,
+    "1 while a worker drains and changes its role (it takes no new work meanwhile).",
+)
+ROLE_SWITCHES = MetricSpec(
+    PREFIX + "role_switches_total",
+    Kind.COUNTER,
+    "Role switches a worker completed, by the role it left and the one it took.",
+    ("from_role", "to_role"),
+)
+ROLE_SWITCH_DURATION = MetricSpec(
+    PREFIX + "role_switch_duration_seconds",
+    Kind.HISTOGRAM,
+    "Duration of one role switch, its drain included.",
+)
+ROLE_SWITCH_MIGRATED = MetricSpec(
+    PREFIX + "role_switch_migrated_total",
+    Kind.COUNTER,
+    "Streams a switching worker ended after its drain time, for the router to migrate.",
+)
 GPU_UTILIZATION = MetricSpec(
     PREFIX + "gpu_utilization_ratio",
     Kind.GAUGE,

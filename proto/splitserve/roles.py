@@ -24,3 +24,9 @@ class Role(StrEnum):
 
 PREFILL_ROLES = frozenset({Role.PREFILL, Role.BOTH})
 DECODE_ROLES = frozenset({Role.DECODE, Role.BOTH})
+
+
+SWITCHING_METADATA = "splitserve-switching"
+"""Trailing-metadata key of a call a worker refused or ended because it is switching its
+role (the value: the role it is switching to). A router plans such a request elsewhere
+(migrating a stream with the tokens so far) without counting it a failure."""

@@ -164,3 +164,63 @@ def test_up_takes_the_api_key_from_a_file_or_the_environment_never_a_command_lin
     finally:
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)
+
+
+def test_up_flex_switches_a_worker_to_the_side_that_misses_its_slo(tiny_model_path: Path) -> None:
+    """Three switchable workers (one prefill, two decode); a TTFT objective no request can
+    meet and a TPOT objective every one meets: the rebalancer moves a decode worker to
+    prefill, once (the dwell is longer than the test), and requests keep completing."""
+    import queue
+    import re
+    import threading
+
+    import httpx
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitserve.cli", "up", "--model", str(tiny_model_path),
+         "--flex", "3", "--port", "0", "--flex-ttft-slo", "0.00001", "--flex-tpot-slo", "10",
+         "--flex-dwell", "1000", "--flex-drain", "0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    seen: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+
+    def until(pattern: str, timeout: float, tick: object = None) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=0.05)
+            except queue.Empty:
+                if callable(tick):
+                    tick()
+                continue
+            seen.append(line)
+            if m := re.search(pattern, line):
+                return m
+        raise AssertionError(f"never saw {pattern!r}: {''.join(seen)}")
+
+    try:
+        base = until(r"OpenAI API on (http://127\.0\.0\.1:\d+)/v1", 300)[1]
+        statuses: list[int] = []
+
+        def request() -> None:
+            body = {"prompt": [5, 17, 99, 3, 42], "max_tokens": 4, "temperature": 0}
+            statuses.append(httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code)
+
+        switched = until(r"worker (\w+)@\S+ now serves (\w+)", 120, tick=request)
+        assert (switched[1], switched[2]) == ("decode", "prefill"), switched[0]
+        for _ in range(5):
+            request()
+        assert statuses and set(statuses) == {200}, statuses
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, "".join(seen) + out
+    assert sum("now serves" in s for s in [*seen, *out.splitlines()]) == 1

@@ -118,6 +118,18 @@ class WorkerClient:
         finally:
             call.cancel()
 
+    async def switch_role(
+        self, role: int, drain_seconds: float = 0.0, timeout: float | None = None
+    ) -> pb.SwitchRoleResponse:
+        """Ask a ``--switchable`` worker to serve ``role`` (a ``pb.ROLE_*``); answers once
+        the switch (its drain included) is over. ``timeout`` should cover the drain."""
+        resp: pb.SwitchRoleResponse = await self._stub.SwitchRole(
+            pb.SwitchRoleRequest(role=role, drain_seconds=drain_seconds),  # type: ignore[arg-type]
+            metadata=self._md,
+            timeout=timeout or self.timeout,
+        )
+        return resp
+
     async def cancel(self, request_id: str, timeout: float | None = None) -> bool:
         """End the request wherever it is on the worker (reserved, decoding); True when
         the worker knew it."""

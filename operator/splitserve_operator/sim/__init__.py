@@ -111,6 +111,9 @@ Closed loop (the planner's API)
   ones are starting ones first (gone at once), then the least loaded active
   ones, which drain (no new work, finish what they hold) before their GPUs are
   released. GPU-seconds count every instance from its adding to its going.
+- ``Simulator.switch(from_role, to_role, switch_s)``: a switchable worker changes role:
+  the least loaded active instance of ``from_role`` drains, and its GPU serves
+  ``to_role`` after ``switch_s`` (no cold start: the weights stay loaded).
 - ``Simulator.replicas(role)``, ``.gpus()``, ``.gpu_seconds()``, ``.done``,
   ``.now``.
 - A workload can be any iterable of :class:`Request` in arrival order, so a

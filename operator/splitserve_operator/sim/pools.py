@@ -50,11 +50,39 @@ class Pools:
                 raise ConfigError(f"replicas of {role} must be >= 0")
             self._resize(role, n)
 
+    def switch(self, from_role: Role, to_role: Role, switch_s: float) -> bool:
+        """A switchable worker changes role: the least loaded active instance of
+        ``from_role`` stops taking work and finishes what it holds, and its GPU serves
+        ``to_role`` after ``switch_s`` (the drain bound; the weights stay loaded, so no
+        cold start). False when ``from_role`` has no active instance to give.
+
+        The old instance's GPU is held until its work is done and the new one's from the
+        switch on: a drain that outlasts ``switch_s`` counts that GPU twice, as the worker
+        serves both for that while (its last streams and its new role)."""
+        if from_role not in self.instances or to_role not in self.instances:
+            raise ConfigError(f"this simulation ({self.config.mode}) cannot switch "
+                              f"{from_role} to {to_role}")  # fmt: skip
+        active = sorted(
+            (i for i in self.instances[from_role] if i.state is State.ACTIVE), key=_idle_score
+        )
+        if not active:
+            return False
+        donor = active[0]
+        donor.state = State.DRAINING
+        if not donor.has_work():
+            self._retire(donor)
+        inst = self.add(to_role, State.STARTING if switch_s > 0 else State.ACTIVE, switch_s)
+        if inst.state is State.ACTIVE:
+            self.dispatch(to_role)
+        return True
+
     def replicas(self, role: Role) -> int:
         """Instances of ``role`` that are active or starting (what was last asked for)."""
         return sum(1 for i in self.instances[role] if i.state in (State.ACTIVE, State.STARTING))
 
-    def add(self, role: Role, state: State) -> Instance:
+    def add(self, role: Role, state: State, startup_s: float | None = None) -> Instance:
+        """A new instance of ``role``; a starting one takes work after ``startup_s``
+        (the config's cold start unless given)."""
         cfg = self.config
         pool = cfg.pools[role]
         iid = self._ids
@@ -71,7 +99,8 @@ class Pools:
             inst = ColocatedInstance(host, cfg, iid, pool, now, state, cache, role)
         self.instances[role].append(inst)
         if state is State.STARTING:
-            host.schedule(now + cfg.startup_s, self._ready, inst)
+            delay = cfg.startup_s if startup_s is None else startup_s
+            host.schedule(now + delay, self._ready, inst)
         return inst
 
     def _ready(self, inst: Instance) -> None:

@@ -84,6 +84,11 @@ class Simulator(EventLoop):
         """:meth:`Pools.set_replicas <splitserve_operator.sim.pools.Pools.set_replicas>`."""
         self.pools.set_replicas(prefill=prefill, decode=decode, both=both)
 
+    def switch(self, from_role: Role, to_role: Role, switch_s: float) -> bool:
+        """:meth:`Pools.switch <splitserve_operator.sim.pools.Pools.switch>`: one worker
+        changes role, serving the new one after ``switch_s`` instead of a cold start."""
+        return self.pools.switch(from_role, to_role, switch_s)
+
     def replicas(self, role: Role) -> int:
         """Instances of ``role`` that are active or starting (what was last asked for)."""
         return self.pools.replicas(role)

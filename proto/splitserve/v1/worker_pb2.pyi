@@ -300,7 +300,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("role", "compat", "free_blocks", "total_blocks", "running", "waiting", "tokens_in_flight", "version", "kv_backends", "leases", "prefilling", "instance_id")
+    __slots__ = ("role", "compat", "free_blocks", "total_blocks", "running", "waiting", "tokens_in_flight", "version", "kv_backends", "leases", "prefilling", "instance_id", "switchable", "switching", "switching_to", "switches")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     COMPAT_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -313,6 +313,10 @@ class HealthResponse(_message.Message):
     LEASES_FIELD_NUMBER: _ClassVar[int]
     PREFILLING_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SWITCHABLE_FIELD_NUMBER: _ClassVar[int]
+    SWITCHING_FIELD_NUMBER: _ClassVar[int]
+    SWITCHING_TO_FIELD_NUMBER: _ClassVar[int]
+    SWITCHES_FIELD_NUMBER: _ClassVar[int]
     role: Role
     compat: CompatInfo
     free_blocks: int
@@ -325,7 +329,11 @@ class HealthResponse(_message.Message):
     leases: int
     prefilling: int
     instance_id: str
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., compat: _Optional[_Union[CompatInfo, _Mapping]] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., version: _Optional[str] = ..., kv_backends: _Optional[_Iterable[str]] = ..., leases: _Optional[int] = ..., prefilling: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    switchable: bool
+    switching: bool
+    switching_to: Role
+    switches: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., compat: _Optional[_Union[CompatInfo, _Mapping]] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., version: _Optional[str] = ..., kv_backends: _Optional[_Iterable[str]] = ..., leases: _Optional[int] = ..., prefilling: _Optional[int] = ..., instance_id: _Optional[str] = ..., switchable: _Optional[bool] = ..., switching: _Optional[bool] = ..., switching_to: _Optional[_Union[Role, str]] = ..., switches: _Optional[int] = ...) -> None: ...
 
 class KVEvent(_message.Message):
     __slots__ = ("kind", "block_hashes", "seq")
@@ -350,3 +358,25 @@ class KVEvent(_message.Message):
 class EventsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SwitchRoleRequest(_message.Message):
+    __slots__ = ("role", "drain_seconds")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    drain_seconds: float
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., drain_seconds: _Optional[float] = ...) -> None: ...
+
+class SwitchRoleResponse(_message.Message):
+    __slots__ = ("role", "previous", "seconds", "migrated", "leases_released")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    LEASES_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    previous: Role
+    seconds: float
+    migrated: int
+    leases_released: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., previous: _Optional[_Union[Role, str]] = ..., seconds: _Optional[float] = ..., migrated: _Optional[int] = ..., leases_released: _Optional[int] = ...) -> None: ...

@@ -79,6 +79,11 @@ class WorkerStub:
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.SwitchRole = channel.unary_unary(
+                '/splitserve.v1.Worker/SwitchRole',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.SwitchRoleRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.SwitchRoleResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -142,6 +147,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SwitchRole(self, request, context):
+        """a --switchable worker only
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -189,6 +201,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'SwitchRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchRole,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.SwitchRoleRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.SwitchRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -434,6 +451,33 @@ class Worker:
             '/splitserve.v1.Worker/Prefill',
             splitserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             splitserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwitchRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Worker/SwitchRole',
+            splitserve_dot_v1_dot_worker__pb2.SwitchRoleRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.SwitchRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,6 +2,12 @@
 
     splitserve up --model smollm2-135m --prefill 1 --decode 1 [--colocated K] [--demo]
                   [--prefill-tp P] [--decode-tp D] [--colocated-tp C]
+    splitserve up --model smollm2-135m --flex 2
+
+``--flex N`` adds N switchable workers (half prefill, half decode to begin with; no
+fixed ones unless ``--prefill``/``--decode`` ask for them) and runs the rebalancer
+(:mod:`splitserve_worker.router.rebalancer`) beside the router: it switches their roles
+as the router's own TTFT, TPOT, queues and KV use ask, with the planner's policy.
 
 Workers run as ``splitserve worker`` child processes (each prints ``READY host:port``
 once it serves), each over its ``--*-tp`` rank processes; the router runs in this
@@ -31,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,8 +187,12 @@ class WorkerProcs(AbstractContextManager["WorkerProcs"]):
         self.stop()
 
 
+def stack_roles_unchecked(prefill: int, decode: int, colocated: int) -> list[Role]:
+    return [Role.PREFILL] * prefill + [Role.DECODE] * decode + [Role.BOTH] * colocated
+
+
 def stack_roles(prefill: int, decode: int, colocated: int) -> list[Role]:
-    roles = [Role.PREFILL] * prefill + [Role.DECODE] * decode + [Role.BOTH] * colocated
+    roles = stack_roles_unchecked(prefill, decode, colocated)
     if not any(r in (Role.DECODE, Role.BOTH) for r in roles):
         raise StackError("a stack needs at least one decode or colocated worker")
     if prefill and not decode:
@@ -298,8 +308,35 @@ async def demo(
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="built-in name or checkpoint folder")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--prefill", type=int, default=None, help="prefill workers (1; 0 with --flex)")
+    p.add_argument("--decode", type=int, default=None, help="decode workers (1; 0 with --flex)")
+    p.add_argument(
+        "--flex",
+        type=int,
+        default=0,
+        help="switchable workers whose roles follow the load (see --flex-*)",
+    )
+    p.add_argument(
+        "--flex-ttft-slo",
+        type=float,
+        default=1.0,
+        help="TTFT objective (s) the rebalancer holds prefill to",
+    )
+    p.add_argument(
+        "--flex-tpot-slo",
+        type=float,
+        default=0.05,
+        help="TPOT objective (s) the rebalancer holds decode to",
+    )
+    p.add_argument(
+        "--flex-dwell", type=float, default=10.0, help="least time between two switches (s)"
+    )
+    p.add_argument(
+        "--flex-drain",
+        type=float,
+        default=2.0,
+        help="how long a switching worker's streams run before they migrate (s)",
+    )
     p.add_argument("--colocated", type=int, default=0, help="'both' workers (prefill and decode)")
     p.add_argument("--kv-backend", choices=("tcp", "grpc", "nixl"), default="tcp")
     p.add_argument(
@@ -346,7 +383,17 @@ async def _main(args: argparse.Namespace) -> int:
             "a TLS stack needs --tls-cert, --tls-key and --tls-ca: every worker serves with "
             "the certificate and calls the others checking the CA"
         )
-    roles = stack_roles(args.prefill, args.decode, args.colocated)
+    if args.flex < 0:
+        raise StackError(f"--flex must be >= 0, got {args.flex}")
+    fixed_default = 0 if args.flex else 1
+    prefill = fixed_default if args.prefill is None else args.prefill
+    decode = fixed_default if args.decode is None else args.decode
+    flex = [Role.PREFILL] * (args.flex // 2) + [Role.DECODE] * (args.flex - args.flex // 2)
+    # checked as one stack; the switchable workers come last (the rebalancer's own)
+    stack_roles(prefill + flex.count(Role.PREFILL), decode + flex.count(Role.DECODE),
+                args.colocated)  # fmt: skip
+    roles = [*stack_roles_unchecked(prefill, decode, args.colocated), *flex]
+    worker_args = [*args.worker_arg, "--switchable"] if flex else args.worker_arg
     tp = stack_tensor_parallel(args.prefill_tp, args.decode_tp, args.colocated_tp)
     check_port_free("127.0.0.1", args.port)
     # once, before any worker: a wrong name fails here, and the workers find the built-in
@@ -358,7 +405,7 @@ async def _main(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     with WorkerProcs(
-        args.model, roles, token, args.threads, args.kv_backend, args.worker_arg,
+        args.model, roles, token, args.threads, args.kv_backend, worker_args,
         tls=tls, tensor_parallel=tp,
     ) as procs:  # fmt: skip
         print(
@@ -380,6 +427,11 @@ async def _main(args: argparse.Namespace) -> int:
         service = RouterService(cfg, tokenizer, StaticDiscovery(endpoints))
         server, task, port = await serve_router(create_app(service), "127.0.0.1", args.port)
         base = f"http://127.0.0.1:{port}"
+        rebalancing: contextlib.AsyncExitStack = contextlib.AsyncExitStack()
+        if flex:
+            await rebalancing.enter_async_context(
+                rebalancer(service, endpoints[len(endpoints) - len(flex) :], token, args)
+            )
         try:
             if not await service.wait_ready(60):
                 raise StackError("no decode worker answered Health within 60 s")
@@ -395,11 +447,52 @@ async def _main(args: argparse.Namespace) -> int:
                 print("press Ctrl-C to stop", flush=True)
                 await stop.wait()
         finally:
+            await rebalancing.aclose()
             server.should_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(task, 10)
     print("stopped", flush=True)
     return 0
+
+
+@contextlib.asynccontextmanager
+async def rebalancer(
+    service: Any, flex: Sequence[WorkerEndpoint], token: str, args: argparse.Namespace
+) -> AsyncIterator[Any]:
+    """The rebalancer over the router's metrics and pool, switching the ``flex`` workers;
+    stopped (switches under way waited for) on the way out."""
+    from splitserve.role_balance import BalanceConfig
+    from splitserve.v1 import worker_pb2 as pb
+
+    from splitserve_worker.client import WorkerClients
+    from splitserve_worker.router.rebalancer import FlexSettings, Rebalancer
+
+    to_proto = {Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE, Role.BOTH: pb.ROLE_BOTH}
+    address = {ep.name: ep.address for ep in flex}
+    clients = WorkerClients(token)
+    settings = FlexSettings(
+        ttft_slo_s=args.flex_ttft_slo, tpot_slo_s=args.flex_tpot_slo, drain_s=args.flex_drain,
+        balance=BalanceConfig(min_dwell_s=args.flex_dwell, sustain_s=2.0),
+    )  # fmt: skip
+
+    async def switch(name: str, role: Role) -> None:
+        done = await clients.get(address[name]).switch_role(
+            to_proto[role], args.flex_drain, timeout=args.flex_drain + 120.0
+        )
+        print(f"  worker {name} now serves {role.value} ({done.seconds:.2f} s, "
+              f"{done.migrated} streams migrated)", flush=True)  # fmt: skip
+
+    r = Rebalancer(service.metrics.registry, service.pool.snapshot, service.pool.mark_switching,
+                   switch, set(address), settings)  # fmt: skip
+    halt = asyncio.Event()
+    loop = asyncio.create_task(r.run(halt), name="rebalancer")
+    try:
+        yield r
+    finally:
+        halt.set()
+        await loop
+        await r.close()
+        await clients.close()
 
 
 def run(args: argparse.Namespace) -> int:

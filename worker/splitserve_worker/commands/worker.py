@@ -149,6 +149,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"default {DEFAULT_CHECKSUM_EVERY}; 0: none)",
     )
     p.add_argument(
+        "--switchable",
+        action="store_true",
+        help="let SwitchRole change this worker's role in place (weights stay loaded; it "
+        "drains for up to --drain-seconds first); the KV port is open whatever the role",
+    )
+    p.add_argument(
         "--kv-streams",
         type=int,
         default=0,
@@ -206,6 +212,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         threads=args.threads,
         checksums=args.checksums,
         checksum_every=args.checksum_every,
+        switchable=args.switchable,
         kv_streams=args.kv_streams,
         tls=tls_from_args(args),
         max_num_seqs=args.max_num_seqs,

@@ -194,6 +194,18 @@ class Engine:
         self.requests.add(seq)
         self.requests.update_gauges()
 
+    def set_role(self, role: str) -> None:
+        """Label this engine's series with ``role`` from now on (a switchable worker's new
+        role); the old role's gauges are no longer exported."""
+        old = self.metrics
+        if old is None or old.role == role:
+            return
+        self.metrics = old.for_role(role)
+        self.requests.metrics = self.metrics
+        self.layerwise.metrics = self.metrics
+        old.retire()
+        self.requests.update_gauges()
+
     def abort(self, request_id: str) -> bool:
         """Stop a request and free everything it holds; False if it is not here."""
         found = self.requests.abort(request_id)

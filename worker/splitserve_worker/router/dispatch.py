@@ -7,7 +7,9 @@ pushes the KV and commits). Local: Generate on the decode worker alone.
 
 Failures: a failed prefill retries on another prefill worker; a decode worker
 lost before the first token retries on another; one lost mid-stream migrates
-(prompt plus the tokens so far, prefilled elsewhere). After ``max_retries``
+(prompt plus the tokens so far, prefilled elsewhere). A worker that refuses or ends
+an attempt because it is switching its role is marked as such at once, and the
+request goes on elsewhere the same way, not counted as a failure. After ``max_retries``
 the request ends with :class:`RequestFailed`. However an attempt ends, a
 cleanup task cancels it on every worker it touched, so no KV stays held.
 
@@ -57,8 +59,10 @@ from splitserve_worker.router.failures import (
     AttemptFailed,
     RequestFailed,
     Stale,
+    WorkerSwitching,
     rpc_code,
     rpc_details,
+    switching,
     unsendable,
 )
 from splitserve_worker.router.guard import Check, CorrectnessGuard
@@ -106,6 +110,10 @@ waits (gRPC's flow control holds the worker's sends) until the request takes the
 MAX_REPLANS = 8
 """Most times one request is planned again from the top because no worker fitted it
 when its prefill slot came (see :class:`~splitserve_worker.router.failures.Stale`)."""
+
+MAX_SWITCH_MOVES = 32
+"""Most times one request is planned elsewhere because a worker it was on switched its
+role (see :class:`~splitserve_worker.router.failures.WorkerSwitching`)."""
 
 
 class Dispatcher:
@@ -168,7 +176,7 @@ class Dispatcher:
             last: AttemptFailed | None = None
             failures = 0
             attempt = 0
-            replans = 0
+            replans = moves = 0
             planned_remote: bool | None = None
             while True:
                 prompt = req.prompt + tuple(produced)
@@ -201,6 +209,15 @@ class Dispatcher:
                             if ev.finish_reason is not None:
                                 return
                     raise AssertionError(f"attempt {rid} ended without a finish reason")
+                except WorkerSwitching as e:
+                    self.pool.mark_switching(e.worker, e.instance)
+                    moves += 1
+                    if moves > MAX_SWITCH_MOVES:
+                        raise RequestFailed(
+                            503, "the workers of this request kept switching roles; retry later"
+                        ) from None
+                    log.info("request %s moves off %s: %s", rid, e.worker, e.detail)
+                    self._retries.labels(reason="role_switch").inc()
                 except Stale:
                     replans += 1
                     if replans <= MAX_REPLANS:
@@ -383,6 +400,8 @@ class Dispatcher:
             raise unsendable(e) from e
         if isinstance(e, grpc.RpcError):
             code = rpc_code(e)
+            if switching(e):
+                raise WorkerSwitching(d_view, rpc_details(e))
             if code is grpc.StatusCode.INVALID_ARGUMENT:
                 raise RequestFailed(400, f"the worker refused the request: {e.details()}")
             raise AttemptFailed(d_view, "decode_lost", rpc_details(e), lost=code in LOST_CODES)
@@ -433,6 +452,8 @@ class Dispatcher:
         except UNSENDABLE as e:
             raise unsendable(e) from e
         except grpc.RpcError as e:
+            if switching(e):
+                raise WorkerSwitching(d_view, f"Reserve: {rpc_details(e)}") from None
             code = rpc_code(e)
             raise AttemptFailed(
                 d_view, "reserve_failed", f"Reserve: {rpc_details(e)}", lost=code in LOST_CODES
@@ -455,15 +476,22 @@ class Dispatcher:
         except UNSENDABLE as e:
             raise unsendable(e) from e
         except grpc.RpcError as e:
+            if switching(e):
+                raise WorkerSwitching(p_view, f"Prefill: {rpc_details(e)}") from None
             code = rpc_code(e)
             if code is grpc.StatusCode.INVALID_ARGUMENT:
                 msg = f"the prefill worker refused the request: {e.details()}"
                 raise RequestFailed(400, msg) from None
             # the push reaches the decode worker: when it is down, it is the one to blame
-            if not await self._answers(dconn):
+            dh = await self._health(dconn)
+            if dh is None:
                 raise AttemptFailed(
                     d_view, "decode_lost", "decode worker unreachable during the push", lost=True
                 ) from None
+            if dh.switching or dh.switches != d_view.switches:
+                # its reservation went with a role switch: plan again, blaming no one
+                detail = f"switched during the push: {rpc_details(e)}"
+                raise WorkerSwitching(d_view, detail) from None
             # both answer: the request failed (say its lease ran out under load), not a worker
             lost = code in LOST_CODES and not await self._answers(pconn)
             raise AttemptFailed(
@@ -476,12 +504,15 @@ class Dispatcher:
             resp.transfer_seconds,
         )
 
-    async def _answers(self, conn: WorkerConn) -> bool:
+    async def _health(self, conn: WorkerConn) -> Any:
+        """The worker's Health answer, or None when it does not answer."""
         try:
-            await conn.health(self.config.timeouts.connect_s)
+            return await conn.health(self.config.timeouts.connect_s)
         except (grpc.RpcError, TimeoutError, OSError):
-            return False
-        return True
+            return None
+
+    async def _answers(self, conn: WorkerConn) -> bool:
+        return await self._health(conn) is not None
 
     def _spawn_cleanup(self, rid: str, conns: list[WorkerConn]) -> None:
         async def cleanup() -> None:

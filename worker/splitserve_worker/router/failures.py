@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import grpc
+from splitserve.roles import SWITCHING_METADATA
 
 if TYPE_CHECKING:
     from splitserve_worker.router.scoring import WorkerView
@@ -56,6 +57,27 @@ class AttemptFailed(Exception):
         self.detail = detail
         self.lost = lost
         """The worker itself failed (mark it unhealthy), not just this request on it."""
+
+
+class WorkerSwitching(Exception):
+    """``worker`` refused the attempt, or ended its stream, because it is switching its
+    role: plan the request elsewhere (a stream resumes with its tokens so far) without
+    counting a failure, and send nothing more there until its Health says the switch is
+    over."""
+
+    def __init__(self, worker: WorkerView, detail: str) -> None:
+        super().__init__(f"{worker.name}: {detail}")
+        self.worker = worker.name
+        self.instance = worker.instance
+        self.detail = detail
+
+
+def switching(e: BaseException) -> bool:
+    """Whether a call failed because its worker is switching its role (it says so in the
+    call's trailing metadata)."""
+    if not isinstance(e, grpc.RpcError) or not hasattr(e, "trailing_metadata"):
+        return False
+    return any(key == SWITCHING_METADATA for key, _ in e.trailing_metadata() or ())
 
 
 def unsendable(e: BaseException) -> RequestFailed:

@@ -5,6 +5,10 @@ polls its Health every ``health_interval_s``, follows its prefix-cache Events
 into the shared :class:`PrefixIndex`, and offers an immutable snapshot of
 :class:`WorkerView` for each routing decision. A worker that fails a Health
 call or a request is marked unhealthy until its next good Health answer.
+
+A worker's role is the one its Health reports (discovery's is only the first guess):
+a switchable worker changes it. While its Health says a switch is under way, or from
+the moment one of its calls was refused for one, it takes no requests at all.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from splitserve_worker.router.worker_conn import WorkerConn
 log = logging.getLogger(__name__)
 
 ConnFactory = Callable[[WorkerEndpoint], WorkerConn]
+ROLES = {pb.ROLE_PREFILL: Role.PREFILL, pb.ROLE_DECODE: Role.DECODE, pb.ROLE_BOTH: Role.BOTH}
 
 
 @dataclass
@@ -105,6 +110,17 @@ class WorkerPool:
             self.index.remove_worker(name)
             self._publish()
 
+    def mark_switching(self, name: str, instance: str = "") -> None:
+        """Send nothing more to ``name`` (it said it is switching its role) until a Health
+        answer says the switch is over; what it has cached stays known."""
+        m = self._members.get(name)
+        if m is None or (instance and m.view.instance not in ("", instance)):
+            return
+        if m.view.healthy or not m.view.switching:
+            log.info("worker %s is switching its role", name)
+            m.view = replace(m.view, healthy=False, switching=True)
+            self._publish()
+
     # ---- membership ----
 
     def set_endpoints(self, endpoints: list[WorkerEndpoint]) -> None:
@@ -181,9 +197,14 @@ class WorkerPool:
         m.compat = h.compat
         if self.on_compat is not None and h.HasField("compat"):
             self.on_compat(h.compat)
+        role = ROLES.get(h.role, m.view.role)
+        changed = role is not m.view.role or h.switching != m.view.switching
         m.view = replace(
             m.view,
-            healthy=True,
+            role=role,
+            switching=h.switching,
+            healthy=not h.switching,
+            switches=h.switches,
             free_blocks=h.free_blocks,
             total_blocks=h.total_blocks,
             running=h.running,
@@ -191,7 +212,7 @@ class WorkerPool:
             tokens_in_flight=h.tokens_in_flight,
             instance=h.instance_id,
         )
-        self._publish(notify=not was)
+        self._publish(notify=changed or was != m.view.healthy)
         return True
 
     async def _poll_health(self, m: Member) -> None:

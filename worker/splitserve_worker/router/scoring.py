@@ -30,6 +30,10 @@ class WorkerView:
     """Requests the router has sent to this worker that are not finished yet."""
     max_running: int = 64
     """Sequences the worker runs at once (its engine's max_num_seqs)."""
+    switching: bool = False
+    """It is switching its role (it takes no requests until that is over)."""
+    switches: int = 0
+    """Role switches it has completed (its Health's ``switches``)."""
     instance: str = ""
     """The worker process's own id (its Health's ``instance_id``; "" until it answers):
     a worker restarted at the same address has a new one."""

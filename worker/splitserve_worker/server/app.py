@@ -21,6 +21,7 @@ from splitserve.grpc_options import SERVER_OPTIONS
 from splitserve.kv_compat import Compat
 from splitserve.metric_registry import Metrics
 from splitserve.metric_server import MetricsServer, start_metrics_server
+from splitserve.roles import Role
 
 from splitserve_worker.kv.layout import PoolView
 from splitserve_worker.kv.lease import LeaseTable
@@ -37,6 +38,7 @@ from splitserve_worker.server.device_health import DeviceHealth, require_device
 from splitserve_worker.server.events import EventHub
 from splitserve_worker.server.handoff import DecodeHandoff
 from splitserve_worker.server.prefill import PrefillRunner
+from splitserve_worker.server.role_switch import RoleState, RoleSwitcher
 from splitserve_worker.server.service import WorkerService, add_to_server
 from splitserve_worker.server.tcp_sink import start_tcp_server
 
@@ -70,7 +72,7 @@ async def start_worker(
     config: WorkerConfig, *, loaded: Any = None, clock: Callable[[], float] = time.monotonic
 ) -> RunningWorker:
     """Load the model (unless ``loaded`` is given), start the engine and serve. ``clock``:
-    what leases are measured on (tests move it).
+    what leases and a role switch's drain are measured on (tests move it).
 
     When a step fails (a port taken, a KV backend that cannot start), everything started
     before it is closed again, the engine thread included, and the error is raised. A
@@ -193,6 +195,24 @@ async def start_worker(
 
         events = EventHub(aengine)
         kv_backends = sorted(handoff.receivers) if handoff else [config.kv_backend]
+        state = RoleState(Role(config.role), switchable=config.switchable)
+        switcher = None
+        if config.switchable:
+            assert handoff is not None and prefill is not None  # a switchable worker has both
+
+            async def relabel(role: Role) -> None:
+                await aengine.call(engine.set_role, role.value)
+
+            switcher = RoleSwitcher(
+                state,
+                engine=aengine,
+                handoff=handoff,
+                prefill=prefill,
+                metrics=metrics,
+                drain_seconds=config.drain_seconds,
+                relabel=relabel,
+                clock=clock,
+            )
         service = WorkerService(
             role=config.role,
             engine=aengine,
@@ -203,6 +223,8 @@ async def start_worker(
             kv_backends=kv_backends,
             holds=config.faults.holds,
             device=device,
+            state=state,
+            switcher=switcher,
         )
         add_to_server(service, server, engine.max_model_len)
         if handoff is not None:

@@ -113,6 +113,9 @@ class WorkerConfig:
     tp_allreduce: str = "auto"
     """How the ranks all-reduce: ``auto`` (NCCL on CUDA, shared memory on the CPU),
     ``gloo``, ``shm`` or ``nccl``."""
+    switchable: bool = False
+    """Hold the parts of both roles so that SwitchRole can change ``role`` in place (the
+    decode side's KV port is open whatever the role); off, the role is fixed."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -171,11 +174,11 @@ class WorkerConfig:
 
     @property
     def serves_decode(self) -> bool:
-        return self.role in ("decode", "both")
+        return self.switchable or self.role in ("decode", "both")
 
     @property
     def serves_prefill(self) -> bool:
-        return self.role in ("prefill", "both")
+        return self.switchable or self.role in ("prefill", "both")
 
     def engine_config(self) -> object:
         from splitserve_worker.engine.config import EngineConfig

@@ -5,6 +5,10 @@ decode handoff (:mod:`.handoff`), the prefill runner (:mod:`.prefill`) or the en
 and turns known failures into the gRPC status the proto documents. Once the device has
 failed (:mod:`.device_health`), every call is answered UNAVAILABLE with what failed:
 Health too, so the router stops sending work here while the worker restarts.
+
+A switchable worker's role can change while it runs (:mod:`.role_switch`): the role
+checks read its :class:`~.role_switch.RoleState`, and new work is refused while a
+switch drains.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, TypeVar
 
 import grpc
 from splitserve.kv_compat import Compat
+from splitserve.roles import Role
 from splitserve.sampling import SamplingError
 from splitserve.v1 import worker_pb2 as pb
 from splitserve.v1 import worker_pb2_grpc
@@ -35,9 +40,9 @@ from splitserve_worker.server.events import EventHub
 from splitserve_worker.server.handoff import DecodeHandoff
 from splitserve_worker.server.message_limits import Oversized, bounded, limit_of, request_limits
 from splitserve_worker.server.prefill import PrefillRunner
+from splitserve_worker.server.role_switch import FROM_PROTO, TO_PROTO, RoleState, RoleSwitcher
 
 R = TypeVar("R")
-_ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE, "both": pb.ROLE_BOTH}
 
 
 def _unary(
@@ -53,7 +58,7 @@ def _unary(
             self.refuse_if_failed()
             return await fn(self, request, context)
         except RpcFailure as e:
-            await context.abort(e.code, e.message)
+            await context.abort(e.code, e.message, e.metadata)
         except (RequestError, SamplingError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         raise AssertionError("context.abort returned")  # pragma: no cover
@@ -74,8 +79,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         kv_backends: list[str],
         holds: Holds | None = None,
         device: DeviceHealth | None = None,
+        state: RoleState | None = None,
+        switcher: RoleSwitcher | None = None,
     ) -> None:
-        self.role = role
+        self.state = state or RoleState(Role(role))
+        self.switcher = switcher
         self.engine = engine
         self.compat = compat
         self.handoff = handoff
@@ -87,25 +95,33 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """This worker's own id in Health: a worker started again is another one."""
         self.device = device or DeviceHealth()
 
+    @property
+    def role(self) -> str:
+        """The role served now (a switchable worker's changes)."""
+        return self.state.role.value
+
     def refuse_if_failed(self) -> None:
         """Raise UNAVAILABLE once the device has failed: nothing here can run on it."""
         failure = self.device.failure
         if failure is not None:
             raise RpcFailure(grpc.StatusCode.UNAVAILABLE, failure)
 
-    def _decode(self) -> DecodeHandoff:
-        if self.handoff is None:
-            raise RpcFailure(
-                grpc.StatusCode.FAILED_PRECONDITION,
+    def _decode(self, new_work: bool = False) -> DecodeHandoff:
+        """The decode side; ``new_work``: a call that starts a request here (refused while
+        a switch drains), not one that carries on a reservation."""
+        if self.handoff is None or not self.state.role.can_decode:
+            raise self.state.wrong_role(
                 f"this worker's role is {self.role!r}: it does not receive KV or decode "
                 "remote requests (use a decode or both worker)",
             )
+        if new_work:
+            self.state.check_new_work()
         return self.handoff
 
     def _prefill(self) -> PrefillRunner:
-        if self.prefill is None:
-            raise RpcFailure(
-                grpc.StatusCode.FAILED_PRECONDITION,
+        self.state.check_new_work()
+        if self.prefill is None or not self.state.role.can_prefill:
+            raise self.state.wrong_role(
                 f"this worker's role is {self.role!r}: it does not run Prefill "
                 "(use a prefill or both worker)",
             )
@@ -115,7 +131,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthResponse:
         s = self.engine.stats()
         return pb.HealthResponse(
-            role=_ROLES[self.role],
+            role=TO_PROTO[self.state.role],
             compat=compat_to_proto(self.compat),
             free_blocks=s.get("free_blocks", 0),
             total_blocks=s.get("total_blocks", 0),
@@ -127,6 +143,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             leases=len(self.handoff.leases) if self.handoff else 0,
             prefilling=self.prefill.in_progress if self.prefill else 0,
             instance_id=self.instance_id,
+            switchable=self.state.switchable,
+            switching=self.state.switching,
+            switching_to=TO_PROTO[self.state.switching_to] if self.state.switching_to else None,
+            switches=self.state.switches,
         )
 
     @_unary
@@ -140,7 +160,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     @_unary
     async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:
-        handle = await self._decode().reserve(request)
+        handle = await self._decode(new_work=True).reserve(request)
         return pb.ReserveResponse(handle=handle)
 
     @_unary
@@ -165,6 +185,31 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         sampling = sampling_from_proto(request.sampling)
         return await runner.run(request, sampling)
 
+    @_unary
+    async def SwitchRole(
+        self, request: pb.SwitchRoleRequest, context: Any
+    ) -> pb.SwitchRoleResponse:
+        target = FROM_PROTO.get(request.role)
+        if target is None:
+            raise RpcFailure(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "SwitchRole needs a role: ROLE_PREFILL, ROLE_DECODE or ROLE_BOTH",
+            )
+        if self.switcher is None:
+            raise RpcFailure(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this worker serves {self.role} only: start it with --switchable "
+                "to change its role in place",
+            )
+        done = await self.switcher.switch(target, request.drain_seconds)
+        return pb.SwitchRoleResponse(
+            role=TO_PROTO[done.role],
+            previous=TO_PROTO[done.previous],
+            seconds=done.seconds,
+            migrated=done.migrated,
+            leases_released=done.leases_released,
+        )
+
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.TokenChunk]:
@@ -173,13 +218,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if isinstance(request, Oversized):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message())
         rid = request.request_id
+        streams = self.state.streams
+        registered = False
         try:
             self.refuse_if_failed()
             sampling = sampling_from_proto(request.sampling)
             if request.expect_remote_kv:
-                lease, stream = await self._decode().admit(
-                    rid, list(request.prompt_token_ids), sampling
-                )
+                handoff = self._decode(new_work=not self._holds_lease(rid))
+                registered = self._start_stream(rid)
+                lease, stream = await handoff.admit(rid, list(request.prompt_token_ids), sampling)
                 first = pb.TokenChunk(
                     request_id=rid,
                     token_ids=[lease.first_token],
@@ -192,11 +239,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 if lease.prompt_logprobs is not None:
                     first.prompt_logprobs.CopyFrom(lease.prompt_logprobs)
             else:
-                if self.role == "prefill":
-                    raise RpcFailure(
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        "this worker's role is 'prefill': it does not decode",
+                self.state.check_new_work()
+                if not self.state.role.can_decode:
+                    raise self.state.wrong_role(
+                        f"this worker's role is {self.role!r}: it does not decode",
                     )
+                registered = self._start_stream(rid)
                 stream = self.engine.generate(
                     rid,
                     list(request.prompt_token_ids),
@@ -205,28 +253,56 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 )
                 first = None
         except RpcFailure as e:
-            await context.abort(e.code, e.message)
+            failure = self.state.refusal() if registered and streams.get(rid) else e
+            self._end_stream(rid, registered)
+            await context.abort(failure.code, failure.message, failure.metadata)
             return
         except (RequestError, SamplingError) as e:
+            self._end_stream(rid, registered)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
         except NoCapacity as e:
+            self._end_stream(rid, registered)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             return
-        if first is not None:
-            yield first
-        sent = first is not None
+        except BaseException:
+            self._end_stream(rid, registered)
+            raise
         try:
+            if first is not None:
+                yield first
+            sent = first is not None
             async for out in stream:
                 if sent and self.holds.directory:
                     await self.holds.wait_async("stream")
                 sent = True
                 chunk = chunk_from_output(out)
+                if chunk.finish_reason == "abort" and registered and streams.get(rid):
+                    # ended by a role switch: the caller migrates it (never an "abort")
+                    refusal = self.state.refusal()
+                    await context.abort(refusal.code, refusal.message, refusal.metadata)
                 if first is not None and not chunk.num_prompt_tokens:
                     chunk.num_prompt_tokens = first.num_prompt_tokens
                 yield chunk
         except RequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            self._end_stream(rid, registered)
+
+    def _holds_lease(self, request_id: str) -> bool:
+        return self.handoff is not None and self.handoff.leases.contains(request_id)
+
+    def _start_stream(self, request_id: str) -> bool:
+        """Count a Generate stream for the drain; False for an id already streaming (the
+        engine refuses that one)."""
+        if request_id in self.state.streams:
+            return False
+        self.state.streams[request_id] = False
+        return True
+
+    def _end_stream(self, request_id: str, registered: bool) -> None:
+        if registered:
+            self.state.streams.pop(request_id, None)
 
     async def Events(
         self, request: pb.EventsRequest, context: grpc.aio.ServicerContext

@@ -1,0 +1,275 @@
+"""Switchable workers against a static split, on this machine and in the simulator.
+
+    .venv/bin/python bench/flex.py [--phase-s 20] [--rounds 2]
+
+Local (the tiny test model, real worker processes, the router in this process): a
+trace whose mix takes turns between long prompts (short answers) and long answers
+(short prompts) runs against (a) a static 1 prefill + 1 decode split and (b) two
+switchable workers (starting 1 + 1) under the rebalancer of ``splitserve up --flex``,
+with the same objectives. The objectives are set from this machine's own speed: three
+times an idle stack's TTFT for a long prompt and its TPOT for one stream. Printed: SLO
+attainment and goodput of each, and the time from each phase change to the switch that
+rebalanced for it.
+
+Simulated (:mod:`flex_sim`): the same kind of trace on Llama 3.1 70B on H100s where a
+new pod takes five minutes: the planner scaling with new pods against the same GPUs as
+switchable workers.
+
+Ends with ``RESULT flex_vs_static_attainment=<ratio> rebalance_seconds=<s>
+sim_switch_vs_scale_attainment=<ratio>`` (targets: >= 1.2, <= 10 s, >= 1.2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import random
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from support_path import use_test_support
+
+LONG_PROMPT, SHORT_ANSWER = 768, 8
+SHORT_PROMPT, LONG_ANSWER = 16, 96
+
+
+@dataclass
+class Outcome:
+    ok: bool = False
+    ttft: float = math.inf
+    tpot: float = math.inf
+
+
+@dataclass
+class Local:
+    outcomes: list[Outcome] = field(default_factory=list)
+    switches: list[tuple[float, str, str]] = field(default_factory=list)
+    """(seconds since the trace began when the switch was over, worker, new role)."""
+    seconds: float = 0.0
+
+    def attainment(self, ttft: float, tpot: float) -> float:
+        good = [o for o in self.outcomes if o.ok and o.ttft <= ttft and o.tpot <= tpot]
+        return len(good) / max(1, len(self.outcomes))
+
+
+async def one(client: Any, base: str, prompt: list[int], max_tokens: int) -> Outcome:
+    """One streamed completion; a refused or broken one is a miss."""
+    import httpx
+
+    try:
+        return await _one(client, base, prompt, max_tokens)
+    except httpx.HTTPError:
+        return Outcome()
+
+
+async def _one(client: Any, base: str, prompt: list[int], max_tokens: int) -> Outcome:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}  # fmt: skip
+    out, t0 = Outcome(), time.monotonic()
+    first = last = None
+    n = 0
+    async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return out
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:]).get("choices", []):
+                ids = c.get("token_ids") or []
+                if ids:
+                    last = time.monotonic()
+                    first = first or last
+                    n += len(ids)
+    if first is None or last is None or n < max_tokens:
+        return out
+    out.ok, out.ttft = True, first - t0
+    out.tpot = (last - first) / (n - 1) if n > 1 else 0.0
+    return out
+
+
+def prompt(rng: random.Random, n: int) -> list[int]:
+    return [1] + [rng.randrange(3, 250) for _ in range(n - 1)]
+
+
+async def drive(base: str, phases: list[tuple[str, float, float]], seed: int) -> list[Outcome]:
+    """Poisson arrivals, phase by phase: (kind, seconds, rate)."""
+    import httpx
+
+    rng = random.Random(seed)
+    tasks: list[asyncio.Task[Outcome]] = []
+    limits = httpx.Limits(max_connections=512)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+        t0 = time.monotonic()
+        end = 0.0
+        for kind, seconds, rate in phases:
+            end += seconds
+            while True:
+                await asyncio.sleep(rng.expovariate(rate))
+                if time.monotonic() - t0 >= end:
+                    break
+                if kind == "prompts":
+                    job = one(client, base, prompt(rng, LONG_PROMPT), SHORT_ANSWER)
+                else:
+                    job = one(client, base, prompt(rng, SHORT_PROMPT), LONG_ANSWER)
+                tasks.append(asyncio.create_task(job))
+        return list(await asyncio.gather(*tasks))
+
+
+@contextlib.asynccontextmanager
+async def stack(model: Path, flex: bool, slo: tuple[float, float]) -> Any:
+    from splitserve.role_balance import BalanceConfig
+    from splitserve.roles import Role
+    from splitserve.v1 import worker_pb2 as pb
+    from splitserve_worker.client import WorkerClients
+    from splitserve_worker.commands.router import load_tokenizer
+    from splitserve_worker.commands.up import WorkerProcs, serve_router
+    from splitserve_worker.router.app import create_app
+    from splitserve_worker.router.config import RouterConfig
+    from splitserve_worker.router.discovery import StaticDiscovery
+    from splitserve_worker.router.rebalancer import FlexSettings, Rebalancer
+    from splitserve_worker.router.service import RouterService
+
+    token = secrets.token_hex(8)
+    extra = ["--num-blocks", "2000", *(["--switchable"] if flex else [])]
+    with WorkerProcs(str(model), [Role.PREFILL, Role.DECODE], token, threads=1,
+                     extra_args=extra, echo=False) as procs:  # fmt: skip
+        eps = await asyncio.to_thread(procs.start, 300.0)
+        cfg = RouterConfig(model_name="tiny", worker_token=token, max_model_len=2048)
+        service = RouterService(cfg, load_tokenizer(str(model)), StaticDiscovery(eps))
+        server, task, port = await serve_router(create_app(service), "127.0.0.1", 0)
+        local = Local()
+        r = None
+        clients = WorkerClients(token)
+        halt = asyncio.Event()
+        loop_task = None
+        try:
+            if not await service.wait_ready(60):
+                raise RuntimeError("the stack did not come up")
+            if flex:
+                address = {ep.name: ep.address for ep in eps}
+                to_proto = {Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE,
+                            Role.BOTH: pb.ROLE_BOTH}  # fmt: skip
+                started = [time.monotonic()]
+
+                async def switch(name: str, role: Role) -> None:
+                    await clients.get(address[name]).switch_role(to_proto[role], 1.0, timeout=120)
+                    local.switches.append((time.monotonic() - started[0], name, role.value))
+
+                balance = BalanceConfig(min_dwell_s=5.0, sustain_s=1.0)
+                settings = FlexSettings(ttft_slo_s=slo[0], tpot_slo_s=slo[1], drain_s=1.0,
+                                        tick_s=0.5, balance=balance)  # fmt: skip
+                pool = service.pool
+                r = Rebalancer(service.metrics.registry, pool.snapshot, pool.mark_switching,
+                               switch, set(address), settings)  # fmt: skip
+                loop_task = asyncio.create_task(r.run(halt))
+                yield f"http://127.0.0.1:{port}", local, started
+            else:
+                yield f"http://127.0.0.1:{port}", local, [time.monotonic()]
+        finally:
+            halt.set()
+            if loop_task is not None:
+                await loop_task
+            if r is not None:
+                await r.close()
+            await clients.close()
+            server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, 10)
+            await service.stop()
+
+
+async def calibrate(model: Path) -> tuple[float, float]:
+    """An idle static stack's TTFT for a long prompt and TPOT for one long answer."""
+    import httpx
+
+    rng = random.Random(0)
+    async with (
+        stack(model, False, (1.0, 1.0)) as (base, _, _),
+        httpx.AsyncClient(timeout=300.0) as client,
+    ):
+        await one(client, base, prompt(rng, LONG_PROMPT), SHORT_ANSWER)  # warm-up
+        ttft = statistics.median(
+            [(await one(client, base, prompt(rng, LONG_PROMPT), SHORT_ANSWER)).ttft
+             for _ in range(3)]
+        )  # fmt: skip
+        tpot = (await one(client, base, prompt(rng, SHORT_PROMPT), LONG_ANSWER)).tpot
+    return ttft, tpot
+
+
+async def local_bench(phase_s: float, rounds: int) -> dict[str, float]:
+    use_test_support()
+    from tiny_models import save_tiny_llama
+
+    with tempfile.TemporaryDirectory() as d:
+        model = save_tiny_llama(Path(d))
+        idle_ttft, idle_tpot = await calibrate(model)
+        slo = (3 * idle_ttft, 3 * idle_tpot)
+        print(f"idle: TTFT {idle_ttft:.3f} s (a {LONG_PROMPT}-token prompt), TPOT "
+              f"{idle_tpot * 1000:.1f} ms; objectives TTFT {slo[0]:.3f} s, TPOT "
+              f"{slo[1] * 1000:.1f} ms", flush=True)  # fmt: skip
+        # prompts at 1.5x one worker's prefill rate; answers at about 8 streams in flight
+        p_rate = 1.5 / idle_ttft
+        g_rate = 8 / (LONG_ANSWER * idle_tpot * 2)
+        phases = [("prompts", phase_s, p_rate), ("answers", phase_s, g_rate)] * rounds
+        out: dict[str, Local] = {}
+        for name, flex in (("static", False), ("flex", True)):
+            async with stack(model, flex, slo) as (base, local, started):
+                started[0] = time.monotonic()
+                local.outcomes = await drive(base, phases, seed=1)
+                local.seconds = time.monotonic() - started[0]
+            out[name] = local
+            att = local.attainment(*slo)
+            print(f"{name:6s}: {len(local.outcomes)} requests, SLO attainment {att:.3f}, "
+                  f"goodput {att * len(local.outcomes) / local.seconds:.2f} req/s, "
+                  f"switches {[(round(t, 1), w.split('@')[0], r) for t, w, r in local.switches]}",
+                  flush=True)  # fmt: skip
+    static_att, flex_att = out["static"].attainment(*slo), out["flex"].attainment(*slo)
+    waits = []
+    for i in range(len(phases)):
+        at = i * phase_s
+        wanted = ("prefill", "both") if phases[i][0] == "prompts" else ("decode", "both")
+        after = [t for t, _, r in out["flex"].switches if t >= at and r in wanted]
+        waits.append(after[0] - at if after and after[0] < at + phase_s else math.inf)
+    print(f"phase change to rebalanced split (s): {[round(w, 1) for w in waits]}", flush=True)
+    return {"ratio": flex_att / static_att if static_att else math.inf,
+            "rebalance_s": statistics.median(waits)}  # fmt: skip
+
+
+def sim_bench() -> float:
+    from flex_sim import Phase, finish, scaling, switching
+
+    phases = [Phase(600, 4.0, 8192, 64), Phase(600, 10.0, 256, 1024)] * 2
+    scale, switch = scaling(phases, (2, 2), most=4), switching(phases, (2, 2))
+    (a_scale, g_scale, gpu_scale), (a_switch, g_switch, gpu_switch) = finish(scale), finish(switch)
+    print(f"sim 70B/H100 TP4, cold start 300 s: scaling with new pods: attainment "
+          f"{a_scale:.3f}, goodput {g_scale:.2f} req/s, {gpu_scale / 3600:.1f} GPU-h; "
+          f"switching (same 4 workers): attainment {a_switch:.3f}, goodput {g_switch:.2f} "
+          f"req/s, {gpu_switch / 3600:.1f} GPU-h; switches at "
+          f"{[(t, r.value) for t, r in switch.switches]}", flush=True)  # fmt: skip
+    return a_switch / a_scale if a_scale else math.inf
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--phase-s", type=float, default=20.0, help="seconds of each local phase")
+    p.add_argument("--rounds", type=int, default=2, help="prompt/answer phase pairs")
+    args = p.parse_args()
+    sim = sim_bench()
+    local = asyncio.run(local_bench(args.phase_s, args.rounds))
+    print(f"RESULT flex_vs_static_attainment={local['ratio']:.3f} "
+          f"rebalance_seconds={local['rebalance_s']:.1f} "
+          f"sim_switch_vs_scale_attainment={sim:.3f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""The rebalancing policy, tick by tick, with numbers worked out by hand."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from splitserve.role_balance import (
+    BalanceConfig,
+    BalanceMemory,
+    Costs,
+    Reason,
+    SideLoad,
+    Split,
+    decide,
+)
+from splitserve.roles import Role
+
+pytestmark = pytest.mark.unit
+
+CFG = BalanceConfig(
+    min_dwell_s=60,
+    sustain_s=10,
+    comfort_band=0.8,
+    cache_rewarm_s=30,
+    max_switch_cost_s=120,
+    min_per_role=1,
+)
+HOT = SideLoad(slo_ratio=1.5)
+QUEUED = SideLoad(slo_ratio=0.9, queue_pressure=True)
+KV_FULL = SideLoad(slo_ratio=0.5, kv_pressure=True)
+CALM = SideLoad(slo_ratio=0.4)
+NEAR = SideLoad(slo_ratio=0.85)  # inside the SLO, above the comfort band
+SPLIT = Split(prefill=1, decode=1, fixed_prefill=1, fixed_decode=1)
+"""A switchable pool of two beside one fixed worker of each role."""
+# drain 5 s + 0.5 hit ratio x 30 s = 20 s a switch, vs 300 s for a new pod
+COSTS = Costs(drain_s=5, prefix_hit_ratio=0.5, cold_start_s=300, can_scale=True)
+SUSTAINED = BalanceMemory(needy=Role.PREFILL, needy_since=0.0)
+SUSTAINED_DECODE = BalanceMemory(needy=Role.DECODE, needy_since=0.0)
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "split", "costs", "memory", "now", "want", "reason"),
+    [
+        # prompt-heavy: prefill breaks TTFT for 10 s, decode calm: one decode worker moves
+        (HOT, CALM, SPLIT, COSTS, SUSTAINED, 10.0, Role.PREFILL, Reason.SWITCH),
+        # generation-heavy: KV nearly full, prefill calm: one prefill worker moves
+        (CALM, KV_FULL, SPLIT, COSTS, SUSTAINED_DECODE, 10.0, Role.DECODE, Reason.SWITCH),
+        # a queue over its budget counts as pressure even inside the SLO
+        (QUEUED, CALM, SPLIT, COSTS, SUSTAINED, 10.0, Role.PREFILL, Reason.SWITCH),
+        # under pressure for 9.9 s of 10: not yet
+        (HOT, CALM, SPLIT, COSTS, SUSTAINED, 9.9, None, Reason.SUSTAIN),
+        # the first tick of pressure starts the clock
+        (HOT, CALM, SPLIT, COSTS, BalanceMemory(), 50.0, None, Reason.SUSTAIN),
+        # the donor is inside its SLO but at 0.85 of it: it would be the next needy side
+        (HOT, NEAR, SPLIT, COSTS, SUSTAINED, 10.0, None, Reason.DONOR_BUSY),
+        # both sides pressed: add pods, switching cannot help
+        (HOT, KV_FULL, SPLIT, COSTS, SUSTAINED, 10.0, None, Reason.BOTH_PRESSED),
+        (CALM, CALM, SPLIT, COSTS, SUSTAINED, 10.0, None, Reason.BALANCED),
+        # no switchable decode worker to give (both decode workers fixed)
+        (
+            HOT,
+            CALM,
+            Split(prefill=2, decode=0, fixed_decode=2),
+            COSTS,
+            SUSTAINED,
+            10.0,
+            None,
+            Reason.NO_DONOR,
+        ),
+        # the last decode worker is never given away: it serves both roles instead
+        (
+            HOT,
+            CALM,
+            Split(prefill=1, decode=1),
+            COSTS,
+            SUSTAINED,
+            10.0,
+            Role.BOTH,
+            Reason.SWITCH,
+        ),
+        # with a colocated worker beside it, a prefill-only one may go to decode ...
+        (
+            CALM,
+            KV_FULL,
+            Split(prefill=1, decode=0, both=1),
+            COSTS,
+            SUSTAINED_DECODE,
+            10.0,
+            Role.DECODE,
+            Reason.SWITCH,
+        ),
+        # ... but the colocated one is the last decode worker: it cannot drop decode
+        (
+            HOT,
+            CALM,
+            Split(prefill=1, decode=0, both=1),
+            COSTS,
+            SUSTAINED,
+            10.0,
+            None,
+            Reason.NO_DONOR,
+        ),
+        # ... the second one may be
+        (
+            HOT,
+            CALM,
+            Split(prefill=1, decode=2),
+            COSTS,
+            SUSTAINED,
+            10.0,
+            Role.PREFILL,
+            Reason.SWITCH,
+        ),
+        # a switch under way: one at a time
+        (
+            HOT,
+            CALM,
+            Split(prefill=1, decode=1, switching=1),
+            COSTS,
+            SUSTAINED,
+            10.0,
+            None,
+            Reason.SWITCHING,
+        ),
+        # switched 59 s ago, dwell 60 s
+        (
+            HOT,
+            CALM,
+            SPLIT,
+            COSTS,
+            replace(SUSTAINED, last_switch_at=-49.0),
+            10.0,
+            None,
+            Reason.DWELL,
+        ),
+        (
+            HOT,
+            CALM,
+            SPLIT,
+            COSTS,
+            replace(SUSTAINED, last_switch_at=-50.0),
+            10.0,
+            Role.PREFILL,
+            Reason.SWITCH,
+        ),
+        # a pod that starts in 15 s beats a 20 s switch
+        (
+            HOT,
+            CALM,
+            SPLIT,
+            replace(COSTS, cold_start_s=15),
+            SUSTAINED,
+            10.0,
+            None,
+            Reason.SCALING_CHEAPER,
+        ),
+        # ... unless no pod can be added: then the switch is worth it
+        (
+            HOT,
+            CALM,
+            SPLIT,
+            replace(COSTS, cold_start_s=15, can_scale=False),
+            SUSTAINED,
+            10.0,
+            Role.PREFILL,
+            Reason.SWITCH,
+        ),
+        # drain 100 s + 0.9 x 30 s = 127 s > 120 s: too costly even with no pod to add
+        (
+            HOT,
+            CALM,
+            SPLIT,
+            Costs(100, 0.9, 300, can_scale=False),
+            SUSTAINED,
+            10.0,
+            None,
+            Reason.TOO_COSTLY,
+        ),
+    ],
+)
+def test_one_tick(
+    prefill: SideLoad,
+    decode: SideLoad,
+    split: Split,
+    costs: Costs,
+    memory: BalanceMemory,
+    now: float,
+    want: Role | None,
+    reason: Reason,
+) -> None:
+    d = decide(prefill, decode, split, costs, memory, now, CFG)
+    assert (d.switch_to, d.reason) == (want, reason), d.detail
+
+
+def test_the_cost_is_the_drain_plus_the_lost_cache() -> None:
+    d = decide(HOT, CALM, SPLIT, COSTS, SUSTAINED, 10.0, CFG)
+    assert d.switch_cost_s == pytest.approx(5 + 0.5 * 30)
+    assert (d.switch_from, d.switch_to) == (Role.DECODE, Role.PREFILL)
+
+
+def test_a_mix_that_turns_switches_once_per_dwell_and_back() -> None:
+    """Prompt-heavy for 200 s, then generation-heavy: one switch each way, never two
+    within a dwell, and none while a side's pressure is younger than sustain_s."""
+    memory, split = BalanceMemory(), SPLIT
+    switches: list[tuple[float, Role]] = []
+    reasons: dict[float, Reason] = {}
+    for t in range(0, 400, 5):
+        now = float(t)
+        prompt_heavy = now < 200
+        if switches and now - switches[-1][0] < 20:  # the new worker helps after a while
+            pre, dec = (CALM, CALM)
+        else:
+            pre, dec = (HOT, CALM) if prompt_heavy else (CALM, KV_FULL)
+            if prompt_heavy and split.prefill > 1:
+                pre = CALM
+            if not prompt_heavy and split.decode > 1:
+                dec = CALM
+        d = decide(pre, dec, split, COSTS, memory, now, CFG)
+        memory = d.memory
+        reasons[now] = d.reason
+        if d.switch_to is not None:
+            switches.append((now, d.switch_to))
+            assert d.switch_from is not None
+            split = split.after(d.switch_from, d.switch_to)
+    # pressure from t=0 sustained 10 s; the mix turns at 200, sustained 10 s; decode
+    # still short after the first worker: the second moves once the dwell (60 s) is over
+    assert switches == [(10.0, Role.PREFILL), (210.0, Role.DECODE), (270.0, Role.DECODE)]
+    assert {reasons[t] for t in (240.0, 250.0, 260.0, 265.0)} == {Reason.DWELL}
+    assert split == replace(SPLIT, prefill=0, decode=2)
+
+
+def test_without_colocation_the_last_worker_of_a_role_stays() -> None:
+    no_both = BalanceConfig(sustain_s=10, colocate_last=False)
+    d = decide(HOT, CALM, Split(prefill=1, decode=1), COSTS, SUSTAINED, 10.0, no_both)
+    assert (d.switch_to, d.reason) == (None, Reason.NO_DONOR)
+
+
+def test_a_colocated_worker_gives_up_a_role_that_others_still_serve() -> None:
+    d = decide(HOT, CALM, Split(prefill=0, decode=1, both=1), COSTS, SUSTAINED, 10.0, CFG)
+    # the decode-only worker may go (the colocated one still decodes)
+    assert (d.switch_from, d.switch_to) == (Role.DECODE, Role.PREFILL)
+    d = decide(HOT, CALM, Split(prefill=0, decode=0, both=2), COSTS, SUSTAINED, 10.0, CFG)
+    assert (d.switch_from, d.switch_to) == (Role.BOTH, Role.PREFILL)
+
+
+def test_bad_config_says_which_field() -> None:
+    with pytest.raises(ValueError, match="comfort_band"):
+        BalanceConfig(comfort_band=1.2)
+    with pytest.raises(ValueError, match="min_dwell_s"):
+        BalanceConfig(min_dwell_s=-1)
