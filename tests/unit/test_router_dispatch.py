@@ -13,7 +13,7 @@ import grpc
 import pytest
 from mem_workers import MemWorker, collect, expected, make, run
 from splitserve.sampling import SamplingParams
-from splitserve_worker.router.config import QueueConfig
+from splitserve_worker.router.config import GuardConfig, QueueConfig
 from splitserve_worker.router.dispatch import GenRequest
 from splitserve_worker.router.failures import RequestFailed, Stale
 
@@ -153,7 +153,8 @@ async def test_a_finished_request_leaves_no_assignment_and_cancels_nothing() -> 
     b1 = MemWorker("b1", "both")
     p1, d1 = MemWorker("p1", "prefill"), MemWorker("d1", "decode")
     local = await make([b1])
-    remote = await make([p1, d1], disaggregation=REMOTE)
+    # the guard's own re-run of a remote request would be one more local Generate
+    remote = await make([p1, d1], disaggregation=REMOTE, guard=GuardConfig(enabled=False))
     for disp, decoder, kv_from_prefill in ((local, b1, False), (remote, d1, True)):
         for _ in range(2):
             assert await run(disp, [3, 4], 3) == expected([3, 4], 3)
