@@ -439,3 +439,29 @@ def test_admission_refuses_a_tensor_parallel_size_that_does_not_divide_gpus(
     # the status subresource is not held to the spec's rules
     status = client.patch_status("default", "tp", {"observedGeneration": 1})
     assert status["status"]["observedGeneration"] == 1
+
+
+def test_admission_refuses_a_decode_pool_of_more_than_one_rank(
+    admitting_client, inference_service
+) -> None:
+    """Decode workers run one rank for now: ``gpus: 2`` (two ranks by default) or an
+    explicit ``tensorParallelSize: 2`` is refused with what to set; ``tensorParallelSize:
+    1`` on the same pod is taken."""
+    client = admitting_client
+    for decode in ({"gpus": 2}, {"gpus": 2, "tensorParallelSize": 2}):
+        with pytest.raises(Invalid) as exc:
+            client.create(inference_service("dtp", decode=decode))
+        assert exc.value.status == 422
+        assert "decode workers run one rank for now: set decode.tensorParallelSize: 1" in str(
+            exc.value
+        ), exc.value
+        assert client.get(INFERENCE_SERVICE, "default", "dtp") is None
+    made = client.create(
+        inference_service("dtp", prefill={"gpus": 2}, decode={"gpus": 2, "tensorParallelSize": 1})
+    )
+    assert made["spec"]["decode"]["tensorParallelSize"] == 1
+    with pytest.raises(Invalid):  # nor can a patch take it there
+        client.patch(
+            INFERENCE_SERVICE, "default", "dtp", {"spec": {"decode": {"tensorParallelSize": 2}}}
+        )
+    assert client.get(INFERENCE_SERVICE, "default", "dtp") == made

@@ -110,6 +110,15 @@ def test_errors_are_one_clear_line() -> None:
         "--slo-tpot", "0.05", "--rate", "1", "--prompt-len", "10", "--output-len", "10",
     )  # fmt: skip
     assert p.returncode == 2 and "h100" in p.stderr
+    # decode workers run one rank for now: a model that needs 4 H100s per worker has no
+    # deployment the operator would run, and advise says what to give instead
+    p = advise(
+        "--model", "llama-3.1-70b", "--gpu", "h100", "--link", "nvlink", "--slo-ttft", "2",
+        "--slo-tpot", "0.1", "--rate", "1", "--prompt-len", "100", "--output-len", "10",
+    )  # fmt: skip
+    assert p.returncode == 2 and p.stdout == "", p.stdout
+    assert "needs 4 x h100 per worker, and decode workers run one rank for now" in p.stderr
+    assert "--decode-gpu" in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
 
 def test_advise_never_imports_torch() -> None:

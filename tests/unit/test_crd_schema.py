@@ -118,7 +118,7 @@ def test_a_minimal_resource_is_accepted_and_defaulted() -> None:
      {"gpus": 8}, {"gpus": 0, "tensorParallelSize": 2}, {"gpus": 2, "tensorParallelSize": 1}],
 )  # fmt: skip
 def test_tensor_parallelism_that_divides_gpus_is_accepted(pool: dict[str, Any]) -> None:
-    doc = resource(prefill=pool, decode=pool)
+    doc = resource(prefill=pool)
     assert problems(doc) == []
     spec = parse_spec(doc["spec"], name="demo")
     assert spec.prefill.tensor_parallel == pool.get("tensorParallelSize", pool["gpus"])
@@ -131,6 +131,36 @@ def test_the_operator_says_which_tensor_parallel_sizes_fit() -> None:
     (problem,) = caught.value.problems
     assert problem.startswith("spec.decode"), problem
     assert "tensorParallelSize 4 does not divide gpus 6: set it to one of 1, 2, 3, 6" in problem
+
+
+@pytest.mark.parametrize(
+    ("decode", "said"),
+    [({"gpus": 2}, "gpus 2 and no tensorParallelSize"),
+     ({"gpus": 4, "tensorParallelSize": 2}, "tensorParallelSize 2"),
+     ({"gpus": 0, "tensorParallelSize": 2}, "tensorParallelSize 2")],
+)  # fmt: skip
+def test_a_decode_pool_of_more_than_one_rank_is_refused_saying_what_to_set(
+    decode: dict[str, Any], said: str
+) -> None:
+    """Decode workers run one rank for now (``--role decode`` refuses more): the CRD's
+    rule and the operator's spec check refuse such a pool at admission and at load,
+    rather than render a pod whose worker exits."""
+    doc = resource(decode=decode)
+    assert any("decode workers run one rank for now" in p for p in problems(doc)), problems(doc)
+    with pytest.raises(SpecError) as caught:
+        parse_spec(doc["spec"], name="demo")
+    (problem,) = caught.value.problems
+    assert f"decode tensor parallelism 2 ({said})" in problem, problem
+    assert "set decode.tensorParallelSize: 1" in problem and "or decode.gpus: 1" in problem
+
+
+@pytest.mark.parametrize(
+    "decode", [{"gpus": 4, "tensorParallelSize": 1}, {"gpus": 0}, {"gpus": 1}, {}]
+)
+def test_a_decode_pool_of_one_rank_is_accepted(decode: dict[str, Any]) -> None:
+    doc = resource(decode=decode)
+    assert problems(doc) == []
+    assert parse_spec(doc["spec"], name="demo").decode.tensor_parallel == 1
 
 
 REJECTED: list[tuple[str, dict[str, Any], str]] = [

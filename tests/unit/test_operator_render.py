@@ -20,7 +20,7 @@ from render_settings import (
     router_setting,
 )
 from splitserve_operator.api.durations import format_duration
-from splitserve_operator.api.parse import parse_spec
+from splitserve_operator.api.parse import SpecError, parse_spec
 from splitserve_operator.api.values import Pool
 from splitserve_operator.render.commands import (
     WORKER_METRICS_PORT,
@@ -85,6 +85,11 @@ def _image_pull_secrets() -> None:
     )
 
 
+def _one_rank(pool: str) -> dict[str, int]:
+    """What a decode pool of several GPUs needs to pass: decode workers run one rank."""
+    return {"tensorParallelSize": 1} if pool == "decode" else {}
+
+
 def _pool_check(pool: str, field: str) -> Callable[[], None]:
     def check() -> None:
         if field == "replicas":
@@ -93,7 +98,7 @@ def _pool_check(pool: str, field: str) -> Callable[[], None]:
             others = [p for p in ("prefill", "decode", "router") if p != pool]
             assert all(objs[f"Deployment/demo-{p}"]["spec"]["replicas"] == 1 for p in others)
         elif field == "gpus":
-            objs = objects({pool: {"gpus": 2}})
+            objs = objects({pool: {"gpus": 2, **_one_rank(pool)}})
             res = container(objs, pool)["resources"]
             assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == 2
             cpu = objects({pool: {"gpus": 0}})
@@ -158,7 +163,9 @@ def _pool_check(pool: str, field: str) -> Callable[[], None]:
             others = [p for p in ("prefill", "decode", "router") if p != pool]
             assert all(field not in pod(objs, p) for p in others)
         elif field == "acceleratorResource":
-            objs = objects({pool: {"gpus": 2, "acceleratorResource": "amd.com/gpu"}})
+            objs = objects(
+                {pool: {"gpus": 2, "acceleratorResource": "amd.com/gpu", **_one_rank(pool)}}
+            )
             res = container(objs, pool)["resources"]
             assert res["requests"] == res["limits"] == {"amd.com/gpu": 2}
             assert "nvidia.com/gpu" not in json.dumps(objs[f"Deployment/demo-{pool}"])
@@ -327,6 +334,20 @@ def _model_cache() -> None:
     parser = argparse.ArgumentParser()
     model_cmd.add_arguments(parser)
     assert parser.parse_args(pod(objs, "decode")["initContainers"][0]["args"][1:]).name == "org/m"
+
+
+def _decode_tensor_parallel() -> None:
+    """Decode workers run one rank for now: the spec check refuses more, saying what to
+    set, and ``tensorParallelSize: 1`` on a pod of four GPUs renders one rank."""
+    with pytest.raises(
+        SpecError,
+        match=r"decode workers run one rank for now .*: set decode\.tensorParallelSize: 1",
+    ):
+        objects({"decode": {"gpus": 4, "tensorParallelSize": 2}})
+    one = objects({"decode": {"gpus": 4, "tensorParallelSize": 1}})
+    assert arg(one, "decode", "--tensor-parallel-size") == "1"
+    assert "dshm" not in {v["name"] for v in pod(one, "decode")["volumes"]}
+    assert arg(one, "prefill", "--tensor-parallel-size") == "1"  # gpus 1 by default
 
 
 def _tensor_parallel(pool: str) -> Callable[[], None]:
@@ -646,7 +667,8 @@ FIELD_CHECKS: dict[str, Callable[[], None]] = {
         for pool in ("prefill", "decode")
         for field in ("resource", "count", "ipcLock")
     },
-    **{f"{pool}.tensorParallelSize": _tensor_parallel(pool) for pool in ("prefill", "decode")},
+    "prefill.tensorParallelSize": _tensor_parallel("prefill"),
+    "decode.tensorParallelSize": _decode_tensor_parallel,
     **{
         f"{pool}.engine.gpuMemoryFraction": _deprecated(
             {pool: {"engine": {"gpuMemoryFraction": 0.85}}},

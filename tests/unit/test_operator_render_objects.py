@@ -65,6 +65,7 @@ FULL: dict[str, Any] = {
     "decode": {
         "replicas": 3,
         "gpus": 2,
+        "tensorParallelSize": 1,  # decode workers run one rank for now
         "acceleratorResource": "amd.com/gpu",
         "podTemplate": {
             "labels": {"kueue.x-k8s.io/queue-name": "inference"},
@@ -281,24 +282,25 @@ def test_a_pool_with_gpus_runs_on_cuda_and_one_without_on_the_cpu() -> None:
 TP4: dict[str, Any] = {
     **BASE,
     "prefill": {"gpus": 4},
-    "decode": {"gpus": 4, "tensorParallelSize": 2},
+    "decode": {"gpus": 4, "tensorParallelSize": 1},  # decode workers run one rank for now
 }
 
 
 def test_a_pool_with_four_gpus_runs_one_engine_over_them_with_shared_memory() -> None:
     """``gpus: 4`` is one worker of 4 ranks on CUDA, with a memory-backed ``/dev/shm``
-    for NCCL; an explicit ``tensorParallelSize`` wins; and the objects pass
-    kubernetes-validate --strict."""
+    for NCCL; an explicit ``tensorParallelSize`` wins (one rank, no ``/dev/shm``); and the
+    objects pass kubernetes-validate --strict."""
     objs = objects(TP4)
     assert arg(objs, "prefill", "--tensor-parallel-size") == "4"
     assert arg(objs, "prefill", "--device") == "cuda"
-    assert arg(objs, "decode", "--tensor-parallel-size") == "2"
+    assert arg(objs, "decode", "--tensor-parallel-size") == "1"
     assert container(objs, "prefill")["resources"]["limits"]["nvidia.com/gpu"] == 4
-    for pool, limit in (("prefill", "4Gi"), ("decode", "2Gi")):
-        shm = [v for v in pod(objs, pool)["volumes"] if v["name"] == "dshm"]
-        assert shm == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": limit}}]
-        mounts = {m["mountPath"]: m["name"] for m in container(objs, pool)["volumeMounts"]}
-        assert mounts["/dev/shm"] == "dshm", pool
+    assert container(objs, "decode")["resources"]["limits"]["nvidia.com/gpu"] == 4
+    shm = [v for v in pod(objs, "prefill")["volumes"] if v["name"] == "dshm"]
+    assert shm == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "4Gi"}}]
+    mounts = {m["mountPath"]: m["name"] for m in container(objs, "prefill")["volumeMounts"]}
+    assert mounts["/dev/shm"] == "dshm"
+    assert "dshm" not in {v["name"] for v in pod(objs, "decode")["volumes"]}
     _valid(TP4)
 
 

@@ -151,27 +151,49 @@ def test_the_issues_example_colocates_on_one_gpu() -> None:
     _accepted(service)
 
 
-def test_a_model_larger_than_a_gpu_gets_tensor_parallel_pools() -> None:
-    """llama-3.1-70b does not fit one H100: every pool recommended runs 4 ranks or more,
-    and the printed InferenceService asks for as many GPUs per pod."""
+def test_decode_and_colocated_are_sized_at_one_rank() -> None:
+    """Long prompts on tight TTFT: the prefill pool is searched from one rank up, decode
+    and colocated stay at one rank (decode workers run one rank for now), and the printed
+    InferenceService passes the CRD and the operator."""
     a = advise(
-        load_model_spec("llama-3.1-70b"),
+        load_model_spec("llama-3.1-8b"),
+        get_gpu("h100"),
+        get_link("nvlink"),
+        Slo(ttft_s=0.3, tpot_s=0.1),
+        workload_for_advice(2.0, 4000, 50, n=200),
+        gpus=8,
+        chunk_sizes=(2048,),
+        max_requests=200,
+    )
+    assert a.tensor_parallel["decode"] == 1
+    assert a.disaggregated.config.pools[Role.DECODE].tp == 1
+    assert a.colocated.config.pools[Role.BOTH].tp == 1
+    spec = a.inference_service()["spec"]
+    assert spec["decode"]["gpus"] == spec["decode"]["tensorParallelSize"] == 1
+    _accepted(a.inference_service())
+
+
+def test_a_model_whose_decode_needs_more_than_one_gpu_is_refused_with_what_to_do() -> None:
+    """llama-3.1-70b does not fit one H100, and decode workers run one rank for now: no
+    deployment the operator would run exists, so advise says so and what to give."""
+    args = (
         get_gpu("h100"),
         get_link("nvlink"),
         Slo(ttft_s=4.0, tpot_s=0.1),
-        workload_for_advice(1.0, 2000, 100, n=200),
-        gpus=16,
-        chunk_sizes=(512, 2048),
-        max_requests=200,
+        workload_for_advice(1.0, 2000, 100, n=50),
     )
-    tp = a.tensor_parallel
-    assert tp["prefill"] >= 4 and tp["decode"] >= 4
-    spec = a.inference_service()["spec"]
-    for pool in ("prefill", "decode"):
-        assert spec[pool]["gpus"] == spec[pool]["tensorParallelSize"] == tp[pool]
-    assert a.deployment.gpus <= 16
-    _accepted(a.inference_service())
-    assert "tensor parallelism" in a.render()
+    m70 = load_model_spec("llama-3.1-70b")
+    with pytest.raises(ConfigError, match=r"needs 4 x .*one rank for now: give a GPU"):
+        advise(m70, *args, gpus=16, max_requests=50)
+    m8 = load_model_spec("llama-3.1-8b")
+    with pytest.raises(ConfigError, match="give --prefill-tp 2 for the prefill pool alone"):
+        advise(m8, *args, gpus=8, decode_tp=2, max_requests=50)
+    with pytest.raises(ConfigError, match="decode workers run one rank"):
+        advise(m8, *args, gpus=8, tp=2, max_requests=50)
+    # 70 GB of 8-bit weights fit one H200 but not one H100, where colocated would run
+    m70_8bit = load_model_spec("llama-3.1-70b", dtype_bytes=1)
+    with pytest.raises(ConfigError, match="colocated workers run one rank"):
+        advise(m70_8bit, *args, gpus=16, decode_gpu=get_gpu("h200"), max_requests=50)
 
 
 def test_given_sizes_are_used_for_each_pool() -> None:

@@ -401,6 +401,13 @@ class NetworkPolicySpec(SpecModel):
     any namespace; ``[]``: nobody."""
 
 
+def _tp_source(pool: WorkerPoolSpec) -> str:
+    """Which field set a pool's tensor parallelism, for an error message."""
+    if pool.tensor_parallel_size is not None:
+        return f"tensorParallelSize {pool.tensor_parallel_size}"
+    return f"gpus {pool.gpus} and no tensorParallelSize"
+
+
 class InferenceServiceSpec(SpecModel):
     model: ModelSpec
     image: Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=r"^\S+$")]
@@ -433,6 +440,14 @@ class InferenceServiceSpec(SpecModel):
             raise ValueError("autoscaling needs its targets: set slo.ttft and slo.tpot")
         if self.autoscaling.decode.min_replicas < 1 and self.autoscaling.enabled:
             raise ValueError("autoscaling.decode.minReplicas must be at least 1")
+        if self.decode.tensor_parallel > 1:
+            raise ValueError(
+                f"decode tensor parallelism {self.decode.tensor_parallel} "
+                f"({_tp_source(self.decode)}): decode workers run one rank for now (a "
+                "decode worker receives KV into one pool): set decode.tensorParallelSize: 1 "
+                "(the pod's other GPUs stay idle) or decode.gpus: 1; prefill pools may use "
+                "tensor parallelism"
+            )
         return self
 
     def worker_pool(self, pool: Pool) -> WorkerPoolSpec:

@@ -46,11 +46,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tp",
         type=int,
         default=None,
-        help="tensor parallelism of every pool (default: searched, from the smallest that "
-        "holds the weights up to 8)",
+        help="tensor parallelism of every pool (default: the prefill pool's searched, from "
+        "the smallest that holds the weights up to 8; decode and colocated workers run one "
+        "rank for now, so only 1 here)",
     )
     p.add_argument("--prefill-tp", type=int, default=None, help="the prefill pool's only")
-    p.add_argument("--decode-tp", type=int, default=None, help="the decode pool's only")
+    p.add_argument(
+        "--decode-tp",
+        type=int,
+        default=None,
+        help="the decode pool's only (1: decode workers run one rank for now)",
+    )
     p.add_argument("--no-layerwise", action="store_true", help="send KV only after prefill ends")
     p.add_argument("--chunk-size", type=int, action="append", default=None,
                    help="colocated chunk size to try (repeatable; default 128..2048)")  # fmt: skip
