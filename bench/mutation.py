@@ -83,6 +83,7 @@ TARGETS = (
     Target(
         "worker/splitserve_worker/engine/identity.py",
         (
+            "tests/unit/test_engine_identity.py",
             "tests/integration/test_kv_handoff.py::test_workers_that_differ_are_refused_from_their_own_hashes",
         ),
         only_in=("compat_info",),

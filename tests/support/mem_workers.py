@@ -49,6 +49,7 @@ class MemWorker:
         self.prefill_gate: asyncio.Event | None = None  # prefill waits for it when set
         self.cancelled: list[str] = []
         self.reserved: list[str] = []
+        self.leases: list[float] = []  # each Reserve's lease_seconds, in order
         self.generated: list[tuple[str, tuple[int, ...], int]] = []
         self.generate_sampling: list[SamplingParams] = []  # each generate call's, in order
         self.expect_remote: list[bool] = []  # each generate call's expect_remote_kv
@@ -96,6 +97,7 @@ class MemWorker:
         timeout: float | None = None,
     ) -> pb.TransferHandle:
         self.reserved.append(request_id)
+        self.leases.append(lease_seconds)
         return pb.TransferHandle(request_id=request_id, decode_address=self.address)
 
     async def prefill(

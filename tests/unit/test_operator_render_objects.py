@@ -461,6 +461,19 @@ def test_no_pod_is_killed_for_being_slow_to_start() -> None:
         assert deadline >= budget + 600
 
 
+def test_a_pod_gone_silent_leaves_rotation_in_15_s_and_is_restarted_after_a_minute() -> None:
+    """Readiness (every 5 s, 3 misses) takes a silent pod out of its Service first;
+    liveness (every 20 s, 3 misses) restarts it only after a minute, so a pod busy for a
+    few seconds is never restarted, and one that hung does not wait for long."""
+    objs = objects()
+    for pool in ("prefill", "decode", "router"):
+        c = container(objs, pool)
+        ready, live = c["readinessProbe"], c["livenessProbe"]
+        assert ready["periodSeconds"] * ready["failureThreshold"] == 15, pool
+        assert live["periodSeconds"] * live["failureThreshold"] == 60, pool
+        assert live["periodSeconds"] == 20 and ready["tcpSocket"] == live["tcpSocket"], pool
+
+
 def test_gpu_pools_roll_without_a_surge_pod() -> None:
     """A surge pod would wait for a spare GPU of the right kind: a GPU pool replaces one
     pod at a time; a CPU pool surges as Kubernetes does by default."""

@@ -27,6 +27,7 @@ from splitserve_operator.planner.model import (
     Slo,
     Tick,
 )
+from splitserve_operator.planner.signals import PoolSignals, decode_signals, prefill_signals
 
 pytestmark = pytest.mark.unit
 
@@ -231,6 +232,28 @@ CASES = [
         bounds=Bounds(1, 5),
         want=5,
         reason=Reason.AT_MAX,
+    ),
+    Case(
+        "kv-pressure-while-starting-at-max-holds-on-kv",
+        Pool.DECODE,
+        # not settled (ready 10 s ago, window 60 s): KV asks for the 5 there are, which
+        # is max but not over it: a hold on KV pressure, not at max
+        {"kv_utilization": 0.96},
+        replicas=5,
+        bounds=Bounds(1, 5),
+        memory=PoolMemory(settled_at=NOW - 10),
+        want=5,
+        reason=Reason.KV_PRESSURE,
+    ),
+    Case(
+        "kv-pressure-while-starting-below-max-holds-on-kv",
+        Pool.DECODE,
+        {"kv_utilization": 0.96},
+        replicas=3,
+        bounds=Bounds(1, 5),
+        memory=PoolMemory(settled_at=NOW - 10),
+        want=3,
+        reason=Reason.KV_PRESSURE,
     ),
     Case(
         "replicas-starting-no-second-step",
@@ -529,6 +552,15 @@ CASES = [
         reason=Reason.BOUNDS,
     ),
     Case(
+        "below-a-raised-minimum-is-brought-inside",
+        Pool.PREFILL,
+        {"ttft_s": 0.8},  # 0.8x: inside the band, no other wish
+        replicas=1,
+        want=3,
+        bounds=Bounds(3, 8),
+        reason=Reason.BOUNDS,
+    ),
+    Case(
         "missing-series-holds",
         Pool.PREFILL,
         {"prompt_token_rate": None, "prefill_queue": 500.0},
@@ -624,3 +656,18 @@ def test_a_shrink_starts_the_cooldown_after_down() -> None:
     assert (again.prefill.replicas, again.prefill.reason) == (2, Reason.SURPLUS), (
         again.prefill.detail
     )
+
+
+@pytest.mark.parametrize(("queued", "prefill_backlog", "decode_backlog"), [
+    (60.0, 60 * 512 / 30, 60 * 128 / 30),  # 60 requests of 512 prompt and 128 output tokens
+    (0.0, 0.0, 0.0),
+])  # fmt: skip
+def test_a_queue_is_a_backlog_of_its_tokens_to_drain_within_queue_drain_s(
+    queued: float, prefill_backlog: float, decode_backlog: float
+) -> None:
+    # 20 req/s, 10240 prompt and 2560 generated tokens/s: 512 and 128 tokens a request
+    obs = Observation(**{**CALM, "prefill_queue": queued, "decode_queue": queued})  # type: ignore[arg-type]
+    prefill, decode = prefill_signals(obs, SLO, CFG), decode_signals(obs, SLO, CFG, None)
+    assert isinstance(prefill, PoolSignals) and isinstance(decode, PoolSignals)
+    assert prefill.backlog_rate == pytest.approx(prefill_backlog)
+    assert decode.backlog_rate == pytest.approx(decode_backlog)

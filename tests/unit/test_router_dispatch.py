@@ -12,9 +12,10 @@ from typing import Any
 import grpc
 import pytest
 from mem_workers import MemWorker, collect, expected, make, run
+from splitserve.metric_names import ROUTER_RETRIES
 from splitserve.sampling import SamplingParams
-from splitserve_worker.router.config import GuardConfig, QueueConfig
-from splitserve_worker.router.dispatch import GenRequest
+from splitserve_worker.router.config import CostModelConfig, GuardConfig, QueueConfig
+from splitserve_worker.router.dispatch import Dispatcher, GenRequest
 from splitserve_worker.router.failures import RequestFailed, Stale
 
 pytestmark = pytest.mark.unit
@@ -247,3 +248,45 @@ async def test_requests_queued_for_prefill_spread_over_the_prefill_workers() -> 
     assert outs == [expected([i, i + 1], 2) for i in range(12)]
     # every queued request took the slot p2 freed: none stayed pinned to the busy p1
     assert (len(p1.prefilled), len(p2.prefilled)) == (1, 11)
+
+
+def retries(disp: Dispatcher, reason: str) -> float:
+    return disp.metrics.registry.get_sample_value(ROUTER_RETRIES.name, {"reason": reason}) or 0.0
+
+
+@pytest.mark.parametrize(("fail_after", "counted"), [(3, "migrate"), (0, "decode_lost")])
+async def test_a_retry_is_counted_as_a_migration_only_once_tokens_were_produced(
+    fail_after: int, counted: str
+) -> None:
+    b1, b2 = MemWorker("b1", "both"), MemWorker("b2", "both")
+    b1.fail_generate_after = fail_after
+    disp = await make([b1, b2])
+    assert await run(disp, [7, 8, 9], 6) == expected([7, 8, 9], 6)
+    other = {"migrate": "decode_lost", "decode_lost": "migrate"}[counted]
+    assert (retries(disp, counted), retries(disp, other)) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize(("overhead_s", "lease_s"), [(20.0, 60.0), (0.005, 30.0)])
+async def test_the_lease_asked_at_reserve_covers_three_expected_prefills_at_least_lease_s(
+    overhead_s: float, lease_s: float
+) -> None:
+    # a prefill expected to take ~20 s gets a lease of three times that, one expected in
+    # milliseconds the configured 30 s (timeouts.lease_s)
+    p1, d1 = MemWorker("p1", "prefill"), MemWorker("d1", "decode")
+    cost = CostModelConfig(handoff_overhead_s=overhead_s)
+    disp = await make([p1, d1], disaggregation=REMOTE, cost=cost, guard=GuardConfig(enabled=False))
+    assert await run(disp, [1, 2, 3], 2) == expected([1, 2, 3], 2)
+    assert d1.leases == [pytest.approx(lease_s, rel=1e-3)]
+
+
+async def test_a_request_that_ends_leaves_the_others_on_its_worker_assigned() -> None:
+    # two requests on one worker: when one ends, the worker still has one assigned
+    b1 = MemWorker("b1", "both")
+    disp = await make([b1])
+    long = disp.generate(GenRequest("long", (1, 2), SamplingParams(max_tokens=20)))
+    await anext(long)  # running, its consumer not reading on
+    assert [v.assigned for v in disp.pool.snapshot()] == [1]
+    assert await run(disp, [3, 4], 2) == expected([3, 4], 2)
+    assert [v.assigned for v in disp.pool.snapshot()] == [1]
+    assert len(await collect(long)) == 19
+    assert [v.assigned for v in disp.pool.snapshot()] == [0]
