@@ -162,8 +162,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="a downward-API file of the pod's labels: start in the role its --role-label "
-        "names (a restarted container keeps the role its pod was given); --role when the "
-        "pod has no such label",
+        "names (a restarted container keeps the role its pod was given; --role when the "
+        "pod has no such label) and, with --switchable, switch whenever the label changes",
     )
     p.add_argument(
         "--role-label",
@@ -232,6 +232,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         checksums=args.checksums,
         checksum_every=args.checksum_every,
         switchable=args.switchable,
+        role_labels_file=None if args.role_labels_file is None else str(args.role_labels_file),
+        role_label=args.role_label,
         kv_streams=args.kv_streams,
         tls=tls_from_args(args),
         max_num_seqs=args.max_num_seqs,

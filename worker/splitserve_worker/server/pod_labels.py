@@ -10,8 +10,12 @@ last given, not the one the Deployment's template names.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 class LabelsError(ValueError):
@@ -54,3 +58,34 @@ def role_from_labels(path: Path, label: str, roles: Iterable[str], default: str)
             f"the pod's label {label}={role!r} is not a role: set it to one of {', '.join(allowed)}"
         )
     return role
+
+
+async def follow_role_label(
+    path: Path,
+    label: str,
+    roles: Iterable[str],
+    current: Callable[[], str | None],
+    switch: Callable[[str], Awaitable[object]],
+    *,
+    poll_seconds: float,
+    sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+) -> None:
+    """Read the labels file every ``poll_seconds`` and ``switch`` to the role ``label``
+    names when it differs from ``current()`` (``None`` while a switch is under way: the
+    file is read again once it is over). A file that cannot be read or a label that names
+    no role is logged and the worker keeps serving the role it has; the label is read
+    again at the next poll."""
+    allowed = tuple(roles)
+    while True:
+        await sleep(poll_seconds)
+        serving = current()
+        if serving is None:
+            continue
+        try:
+            wanted = role_from_labels(path, label, allowed, serving)
+        except LabelsError as e:
+            log.warning("keeping the role %s: %s", serving, e)
+            continue
+        if wanted != serving:
+            log.info("the pod's label %s says %s: switching from %s", label, wanted, serving)
+            await switch(wanted)
