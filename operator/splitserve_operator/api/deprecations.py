@@ -74,7 +74,7 @@ def _fraction_form(value: Any) -> bool:
     return isinstance(value, float) and 0 < value < 1
 
 
-_POOLS = ("prefill", "decode", "router")
+_POOLS = ("prefill", "decode", "flex", "router")
 _TIMEOUTS = ("connect", "prefill", "firstToken", "interToken", "request")
 
 RENAMES: tuple[Rename, ...] = (
@@ -98,7 +98,7 @@ RENAMES: tuple[Rename, ...] = (
             _float(gt=0, le=1),
             _to_memory_percent,
         )
-        for pool in ("prefill", "decode")
+        for pool in ("prefill", "decode", "flex")
     ),
     Rename(
         ("router", "settings", "queues"),

@@ -415,6 +415,10 @@ class InferenceServiceSpec(SpecModel):
     image_pull_secrets: list[dict[str, str]] | None = None
     prefill: WorkerPoolSpec = WorkerPoolSpec()
     decode: WorkerPoolSpec = WorkerPoolSpec()
+    flex: WorkerPoolSpec | None = None
+    """A pool of switchable workers (``--switchable``) beside or instead of the fixed
+    pools: each pod starts as ``both`` and the planner switches it between prefill and
+    decode in place; ``None``: none."""
     router: RouterSpec = RouterSpec()
     kv_transfer: KvTransferSpec = KvTransferSpec()
     tls: TlsSpec | None = None

@@ -127,6 +127,10 @@ class Pool(StrEnum):
 
 
 WORKER_POOLS: tuple[Pool, ...] = (Pool.PREFILL, Pool.DECODE)
+FLEX_COMPONENT = "flex"
+"""The component of a service's switchable workers (``spec.flex``): one Deployment whose
+pods change role in place, sized by the spec (the planner switches them, never scales
+them)."""
 SCALED_POOLS: tuple[Pool, ...] = WORKER_POOLS
 """Pools the planner may rescale (the router is sized by hand)."""
 

@@ -216,14 +216,17 @@ class Reconciler:
                 continue
             known_kinds = {"Deployment": deployments_live, "WorkerPool": pools_live}
             known = None
-            if desired.kind in known_kinds:
-                known = known_kinds[desired.kind].get(Pool(desired.name.rsplit("-", 1)[1]))
+            # the pools' objects were read above; the flex Deployment, not a Pool, is not
+            component = desired.name.rsplit("-", 1)[1]
+            listed = desired.kind in known_kinds and component in {p.value for p in Pool}
+            if listed:
+                known = known_kinds[desired.kind].get(Pool(component))
             try:
                 action, obj = self._ensure(
                     desired,
                     ref,
                     known=known,
-                    fetch=not fresh and desired.kind not in known_kinds,
+                    fetch=not fresh and not listed,
                 )
             except Forbidden as exc:
                 outcome.actions[label] = Action.FAILED

@@ -60,6 +60,14 @@ POD_IP_ENV = "POD_IP"
 """Set from the downward API; ``$(POD_IP)`` in args expands to the pod's address."""
 ROLE_LABEL = "splitserve.io/role"
 """Pod label the router's Kubernetes discovery reads a worker's role from."""
+FLEX_START_ROLE = "both"
+"""The role a switchable pod starts in until the planner labels it otherwise: it serves
+whole requests alone, so a fresh pod is never in a role nobody asked for."""
+PODINFO_DIR = "/etc/podinfo"
+"""Where a switchable pod's own labels are mounted (the downward API)."""
+LABELS_FILE = f"{PODINFO_DIR}/labels"
+"""The pod's labels as the kubelet writes them: the worker takes its starting role from
+:data:`ROLE_LABEL` there, so a restarted container keeps the role its pod was given."""
 
 
 def fetch_model_args(spec: InferenceServiceSpec) -> list[str]:
@@ -105,6 +113,15 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
         *tensor_parallel_args(spec, pool),
         *engine_args(spec, pool),
     ]
+
+
+def flex_args(args: list[str]) -> list[str]:
+    """A fixed pool's worker arguments made a switchable worker's: ``--switchable``,
+    starting as :data:`FLEX_START_ROLE` unless its pod's :data:`ROLE_LABEL` (read from
+    :data:`LABELS_FILE`) says another role."""
+    at = args.index("--role")
+    out = [*args[: at + 1], FLEX_START_ROLE, *args[at + 2 :]]
+    return [*out, "--switchable", "--role-labels-file", LABELS_FILE, "--role-label", ROLE_LABEL]
 
 
 def tls_args(spec: InferenceServiceSpec, *, worker: bool) -> list[str]:

@@ -90,6 +90,9 @@ def render(ref: ServiceRef, spec: InferenceServiceSpec, inputs: RenderInputs) ->
         for pool in Pool
     ]
     objects += [Desired(workloads.disruption_budget(ref, pool)) for pool in Pool]
+    flex = workloads.flex_deployment(ref, spec, config_hash=config_hash)
+    budget = workloads.flex_disruption_budget(ref, spec)
+    objects += [Desired(made) for made in (flex, budget) if made is not None]
     route = routes.http_route(ref, spec)
     objects.append(Desired(route, existing_only=spec.router.http_route is None))
     return objects

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from splitserve_operator.api.models import InferenceServiceSpec
-from splitserve_operator.api.values import WORKER_POOLS, Pool
+from splitserve_operator.api.values import FLEX_COMPONENT, WORKER_POOLS, Pool
 from splitserve_operator.render import commands
 from splitserve_operator.render.names import (
     LABEL_COMPONENT,
@@ -112,13 +112,12 @@ def router_role_binding(ref: ServiceRef, cluster_role: str) -> dict[str, Any]:
     }
 
 
-def _pods(ref: ServiceRef, pools: tuple[Pool, ...]) -> dict[str, Any]:
+def _pods(ref: ServiceRef, pools: tuple[Pool, ...], *more: str) -> dict[str, Any]:
+    components = [p.value for p in pools] + list(more)
     return {
         "podSelector": {
             "matchLabels": {LABEL_INSTANCE: ref.name},
-            "matchExpressions": [
-                {"key": LABEL_COMPONENT, "operator": "In", "values": [p.value for p in pools]}
-            ],
+            "matchExpressions": [{"key": LABEL_COMPONENT, "operator": "In", "values": components}],
         }
     }
 
@@ -128,7 +127,8 @@ def network_policy(ref: ServiceRef, spec: InferenceServiceSpec) -> dict[str, Any
     picks its own) reach the workers; the metrics port is open to
     ``networkPolicy.metricsFrom`` (default: any pod in the cluster). Turned off, the
     policy admits everything (what a policy made before is patched to)."""
-    selector = _pods(ref, WORKER_POOLS)["podSelector"]
+    flex = (FLEX_COMPONENT,) if spec.flex is not None else ()
+    selector = _pods(ref, WORKER_POOLS, *flex)["podSelector"]
     meta = ref.metadata(ref.network_policy, "network-policy")
     if not spec.network_policy.enabled:
         return {
@@ -142,7 +142,7 @@ def network_policy(ref: ServiceRef, spec: InferenceServiceSpec) -> dict[str, Any
             "from": [_pods(ref, (Pool.ROUTER,))],
             "ports": [{"protocol": "TCP", "port": commands.WORKER_GRPC_PORT}],
         },
-        {"from": [_pods(ref, WORKER_POOLS)]},
+        {"from": [_pods(ref, WORKER_POOLS, *flex)]},
     ]
     metrics_from = spec.network_policy.metrics_from
     if metrics_from is None:

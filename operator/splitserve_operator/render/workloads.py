@@ -7,9 +7,14 @@ from typing import Any
 
 from splitserve_operator.api.models import InferenceServiceSpec, PoolSpec
 from splitserve_operator.api.pods import PodTemplateOverlay, Rollout
-from splitserve_operator.api.values import MODEL_MOUNT, Pool
+from splitserve_operator.api.values import FLEX_COMPONENT, MODEL_MOUNT, Pool
 from splitserve_operator.render import commands, security
-from splitserve_operator.render.names import ANNOTATION_CONFIG_HASH, LABEL_INSTANCE, ServiceRef
+from splitserve_operator.render.names import (
+    ANNOTATION_CONFIG_HASH,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    ServiceRef,
+)
 
 TOKEN_FILE_MODE = 0o440
 """With an ``fsGroup``: owner and group may read the token, nobody else."""
@@ -306,6 +311,63 @@ def deployment(
                 "spec": _pod_spec(ref, spec, pool),
             },
         },
+    }
+
+
+def flex_deployment(
+    ref: ServiceRef, spec: InferenceServiceSpec, *, config_hash: str
+) -> dict[str, Any] | None:
+    """The Deployment ``<name>-flex`` of ``spec.flex``'s switchable workers (``None``
+    without one): a worker pod as a decode pool of the same settings would have it, with
+    its own component (no fixed pool's selector, Service or budget takes its pods),
+    ``--switchable``, the pod's labels mounted from the downward API, and the role label
+    of the template at :data:`commands.FLEX_START_ROLE`. The planner relabels a pod to
+    switch it; the template's label only names the role a new pod starts in."""
+    flex = spec.flex
+    if flex is None:
+        return None
+    own = spec.model_copy(update={"decode": flex})
+    out = deployment(ref, own, Pool.DECODE, replicas=flex.replicas, config_hash=config_hash)
+    name = f"{ref.name}-{FLEX_COMPONENT}"
+    selector = {LABEL_INSTANCE: ref.name, LABEL_COMPONENT: FLEX_COMPONENT}
+    out["metadata"] = ref.metadata(name, FLEX_COMPONENT)
+    body = out["spec"]
+    body["selector"] = {"matchLabels": selector}
+    template = body["template"]
+    template["metadata"]["labels"].update(
+        {**selector, commands.ROLE_LABEL: commands.FLEX_START_ROLE}
+    )
+    pod = template["spec"]
+    for spread in pod.get("topologySpreadConstraints", []):
+        if spread.get("labelSelector") == {"matchLabels": ref.selector(Pool.DECODE)}:
+            spread["labelSelector"] = {"matchLabels": selector}
+    container = pod["containers"][0]
+    container["name"] = FLEX_COMPONENT
+    container["args"] = commands.flex_args(container["args"])
+    # beside the operator's own mounts, before the user's (as render orders them)
+    mounts, volumes = container["volumeMounts"], pod["volumes"]
+    mounts.insert(
+        [m["name"] for m in mounts].index("cache") + 1,
+        {"name": "podinfo", "mountPath": commands.PODINFO_DIR, "readOnly": True},
+    )
+    labels = {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}
+    volumes.insert(
+        [v["name"] for v in volumes].index("cache") + 1,
+        {"name": "podinfo", "downwardAPI": {"items": [labels]}},
+    )
+    return out
+
+
+def flex_disruption_budget(ref: ServiceRef, spec: InferenceServiceSpec) -> dict[str, Any] | None:
+    """At most one switchable pod evicted at a time, as for the fixed pools."""
+    if spec.flex is None:
+        return None
+    selector = {LABEL_INSTANCE: ref.name, LABEL_COMPONENT: FLEX_COMPONENT}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": ref.metadata(f"{ref.name}-{FLEX_COMPONENT}", FLEX_COMPONENT),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector}},
     }
 
 

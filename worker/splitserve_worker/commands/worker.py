@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 from splitserve.tls import TlsError
 
@@ -34,6 +35,7 @@ from splitserve_worker.server.config import (
     ConfigError,
     WorkerConfig,
 )
+from splitserve_worker.server.pod_labels import role_from_labels
 
 READY_PREFIX = "READY "
 METRICS_PREFIX = "METRICS "
@@ -155,6 +157,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "drains for up to --drain-seconds first); the KV port is open whatever the role",
     )
     p.add_argument(
+        "--role-labels-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a downward-API file of the pod's labels: start in the role its --role-label "
+        "names (a restarted container keeps the role its pod was given; --role when the "
+        "pod has no such label) and, with --switchable, switch whenever the label changes",
+    )
+    p.add_argument(
+        "--role-label",
+        default="splitserve.io/role",
+        help="the label --role-labels-file is read for (default splitserve.io/role)",
+    )
+    p.add_argument(
         "--kv-streams",
         type=int,
         default=0,
@@ -192,8 +208,11 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    role = args.role
+    if args.role_labels_file is not None:
+        role = role_from_labels(args.role_labels_file, args.role_label, ROLES, args.role)
     return WorkerConfig(
-        role=args.role,
+        role=role,
         model=args.model,
         token=load_token(args.token_file),
         port=args.port,
@@ -213,6 +232,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         checksums=args.checksums,
         checksum_every=args.checksum_every,
         switchable=args.switchable,
+        role_labels_file=None if args.role_labels_file is None else str(args.role_labels_file),
+        role_label=args.role_label,
         kv_streams=args.kv_streams,
         tls=tls_from_args(args),
         max_num_seqs=args.max_num_seqs,

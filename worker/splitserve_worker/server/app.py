@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -33,14 +35,18 @@ from splitserve_worker.kv.transport import (
 from splitserve_worker.metrics import gpu as gpu_metrics
 from splitserve_worker.parallel.collectives import RankLost
 from splitserve_worker.server.auth import TokenAuthInterceptor
-from splitserve_worker.server.config import WorkerConfig
+from splitserve_worker.server.config import ROLES, WorkerConfig
 from splitserve_worker.server.device_health import DeviceHealth, require_device
+from splitserve_worker.server.errors import RpcFailure
 from splitserve_worker.server.events import EventHub
 from splitserve_worker.server.handoff import DecodeHandoff
+from splitserve_worker.server.pod_labels import follow_role_label
 from splitserve_worker.server.prefill import PrefillRunner
 from splitserve_worker.server.role_switch import RoleState, RoleSwitcher
 from splitserve_worker.server.service import WorkerService, add_to_server
 from splitserve_worker.server.tcp_sink import start_tcp_server
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -236,6 +242,8 @@ async def start_worker(
         tasks = [asyncio.create_task(events.poll_forever(), name="kv-events")]
         if handoff is not None:
             tasks.append(asyncio.create_task(handoff.reap_forever(), name="lease-reaper"))
+        if switcher is not None and config.role_labels_file is not None:
+            tasks.append(asyncio.create_task(_follow_labels(config, switcher), name="role-label"))
         stack.push_async_callback(_cancel, tasks)
         metrics_port = None
         if config.metrics_port is not None:
@@ -257,6 +265,28 @@ async def start_worker(
     except BaseException:
         await stack.aclose()
         raise
+
+
+async def _follow_labels(config: WorkerConfig, switcher: RoleSwitcher) -> None:
+    """Switch to the role the pod's label names whenever it changes (the operator
+    relabels a switchable pod to switch it)."""
+    assert config.role_labels_file is not None
+    st = switcher.state
+
+    async def switch(role: str) -> None:
+        try:
+            await switcher.switch(Role(role))
+        except RpcFailure as e:  # a SwitchRole call got there first: read the label again
+            log.warning("switch to %s from the pod's label not started: %s", role, e.message)
+
+    await follow_role_label(
+        Path(config.role_labels_file),
+        config.role_label,
+        ROLES,
+        lambda: None if st.switching else st.role.value,
+        switch,
+        poll_seconds=config.labels_poll_seconds,
+    )
 
 
 async def _cancel(tasks: list[asyncio.Task[None]]) -> None:

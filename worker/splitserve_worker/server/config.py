@@ -116,6 +116,12 @@ class WorkerConfig:
     switchable: bool = False
     """Hold the parts of both roles so that SwitchRole can change ``role`` in place (the
     decode side's KV port is open whatever the role); off, the role is fixed."""
+    role_labels_file: str | None = None
+    """A downward-API file of the pod's labels: a switchable worker switches itself to
+    the role its ``role_label`` names whenever that label changes."""
+    role_label: str = "splitserve.io/role"
+    labels_poll_seconds: float = 5.0
+    """How often the labels file is read for a changed role."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -133,6 +139,10 @@ class WorkerConfig:
         if not (self.max_lease_seconds > 0 and math.isfinite(self.max_lease_seconds)):
             raise ConfigError(
                 f"--max-lease-seconds must be a finite number > 0, got {self.max_lease_seconds}"
+            )
+        if not (self.labels_poll_seconds > 0 and math.isfinite(self.labels_poll_seconds)):
+            raise ConfigError(
+                f"labels_poll_seconds must be a finite number > 0, got {self.labels_poll_seconds}"
             )
         if not 0 <= self.drain_seconds <= 3600:
             raise ConfigError(f"--drain-seconds must be in [0, 3600], got {self.drain_seconds}")
