@@ -164,7 +164,12 @@ def test_with_the_planner_on_an_outside_scale_is_reported_not_fought(
         "scaled by kubectl" in cond["message"]
         and "--field-manager=splitserve-planner" in (cond["message"])
     )
-    warnings = [e for e in kube.objects("v1/events", "default") if e["reason"] == "ScaledOutside"]
+    # the Event is posted after the status write: wait for it, then count
+    warnings = wait_for(
+        lambda: [e for e in kube.objects("v1/events", "default") if e["reason"] == "ScaledOutside"],
+        timeout=30,
+        message="the ScaledOutside event",
+    )
     assert len(warnings) == 1
     assert _pool(kube_client)["spec"]["replicas"] == 3  # not fought
     # Handed back as the message says: the planner plans that pool again.
