@@ -14,7 +14,7 @@ from splitserve_operator.render.security import restricted_violations
 
 pytestmark = pytest.mark.unit
 
-FLEX = {"flex": {"replicas": 3, "gpus": 2, "engine": {"maxNumSeqs": 32}}}
+FLEX = {"flex": {"replicas": 3, "gpus": 2, "tensorParallelSize": 1, "engine": {"maxNumSeqs": 32}}}
 
 
 def selector(objs: dict[str, dict[str, Any]], name: str) -> dict[str, str]:
@@ -85,13 +85,17 @@ def test_a_topology_spread_spreads_the_flex_pods_not_the_decode_pool() -> None:
 def test_the_flex_pool_is_checked_like_the_others() -> None:
     with pytest.raises(SpecError, match=r"flex.*tensorParallelSize 3 does not divide gpus 2"):
         parse_spec({**BASE, "flex": {"gpus": 2, "tensorParallelSize": 3}}, name=REF.name)
+    # a switchable worker serves decode too, which runs one rank for now
+    with pytest.raises(SpecError, match=r"flex tensor parallelism 2 \(gpus 2 .*flex.gpus: 1"):
+        parse_spec({**BASE, "flex": {"gpus": 2}}, name=REF.name)
+    assert parse_spec({**BASE, "flex": {"gpus": 2, "tensorParallelSize": 1}}, name=REF.name).flex
     assert parse_spec(BASE, name=REF.name).flex is None
 
 
 RICH: dict[str, Any] = {
     "replicas": 2,
     "gpus": 2,
-    "tensorParallelSize": 2,
+    "tensorParallelSize": 1,  # a switchable worker serves decode: one rank for now
     "acceleratorResource": "amd.com/gpu",
     "resources": {"requests": {"cpu": "4", "memory": "16Gi"}},
     "nodeSelector": {"pool": "gpu"},

@@ -452,6 +452,13 @@ class InferenceServiceSpec(SpecModel):
                 "(the pod's other GPUs stay idle) or decode.gpus: 1; prefill pools may use "
                 "tensor parallelism"
             )
+        if self.flex is not None and self.flex.tensor_parallel > 1:
+            raise ValueError(
+                f"flex tensor parallelism {self.flex.tensor_parallel} "
+                f"({_tp_source(self.flex)}): a switchable worker serves decode too, and "
+                "decode workers run one rank for now: set flex.tensorParallelSize: 1 or "
+                "flex.gpus: 1"
+            )
         return self
 
     def worker_pool(self, pool: Pool) -> WorkerPoolSpec:
