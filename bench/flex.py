@@ -6,9 +6,16 @@ Local (the tiny test model, real worker processes, the router in this process): 
 trace whose mix takes turns between long prompts (short answers) and long answers
 (short prompts) runs against (a) a static 1 prefill + 1 decode split and (b) two
 switchable workers (starting 1 + 1) under the rebalancer of ``splitserve up --flex``,
-with the same objectives. The objectives are set from this machine's own speed: three
-times an idle stack's TTFT for a long prompt and its TPOT for one stream. Printed: SLO
-attainment and goodput of each, and the time from each phase change to the switch that
+with the same objectives. On a host shared with other work an idle calibration says
+little about a loaded run, so everything is measured in this run, on the static stack,
+right before the trace: the objectives are three times its TTFT for one long prompt
+and its TPOT for one long answer; the load is set from its capacity, measured closed
+loop (long prompts completed per second by its one prefill worker; long answers per
+second by its one decode worker at the most streams whose TPOT stays inside the
+objective): each phase offers 1.5 times what the static split serves. Both stacks stay
+up and the rounds alternate between them (static, flex, static, flex), so a change in
+the host's other load falls on both alike. Printed: the calibration, SLO attainment
+and goodput of each, and the time from each phase change to the switch that
 rebalanced for it.
 
 Simulated (:mod:`flex_sim`): the same kind of trace on Llama 3.1 70B on H100s where a
@@ -53,7 +60,7 @@ class Outcome:
 class Local:
     outcomes: list[Outcome] = field(default_factory=list)
     switches: list[tuple[float, str, str]] = field(default_factory=list)
-    """(seconds since the trace began when the switch was over, worker, new role)."""
+    """(the monotonic clock when the switch was over, worker, new role)."""
     seconds: float = 0.0
 
     def attainment(self, ttft: float, tpot: float) -> float:
@@ -158,11 +165,10 @@ async def stack(model: Path, flex: bool, slo: tuple[float, float]) -> Any:
                 address = {ep.name: ep.address for ep in eps}
                 to_proto = {Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE,
                             Role.BOTH: pb.ROLE_BOTH}  # fmt: skip
-                started = [time.monotonic()]
 
                 async def switch(name: str, role: Role) -> None:
                     await clients.get(address[name]).switch_role(to_proto[role], 1.0, timeout=120)
-                    local.switches.append((time.monotonic() - started[0], name, role.value))
+                    local.switches.append((time.monotonic(), name, role.value))
 
                 balance = BalanceConfig(min_dwell_s=5.0, sustain_s=1.0)
                 settings = FlexSettings(ttft_slo_s=slo[0], tpot_slo_s=slo[1], drain_s=1.0,
@@ -171,9 +177,7 @@ async def stack(model: Path, flex: bool, slo: tuple[float, float]) -> Any:
                 r = Rebalancer(service.metrics.registry, pool.snapshot, pool.mark_switching,
                                switch, set(address), settings)  # fmt: skip
                 loop_task = asyncio.create_task(r.run(halt))
-                yield f"http://127.0.0.1:{port}", local, started
-            else:
-                yield f"http://127.0.0.1:{port}", local, [time.monotonic()]
+            yield f"http://127.0.0.1:{port}", local
         finally:
             halt.set()
             if loop_task is not None:
@@ -187,22 +191,74 @@ async def stack(model: Path, flex: bool, slo: tuple[float, float]) -> Any:
             await service.stop()
 
 
-async def calibrate(model: Path) -> tuple[float, float]:
-    """An idle static stack's TTFT for a long prompt and TPOT for one long answer."""
+@dataclass(frozen=True)
+class Calibration:
+    ttft: float
+    """One long prompt alone: TTFT (s)."""
+    tpot: float
+    """One long answer alone: TPOT (s)."""
+    prompts_per_s: float
+    """Long prompts the static split completes per second, closed loop."""
+    answers_per_s: float
+    """Long answers the static split completes per second at ``streams`` in flight."""
+    streams: int
+    """The most concurrent long answers (of 2, 4, 8, 16) whose TPOT stayed inside the
+    objective."""
+
+    @property
+    def slo(self) -> tuple[float, float]:
+        return 3 * self.ttft, 3 * self.tpot
+
+
+async def closed_loop(
+    client: Any, base: str, callers: int, seconds: float, job: Any
+) -> tuple[list[Outcome], float]:
+    """``callers`` each sending one request after another until ``seconds`` passed;
+    the outcomes and the time until the last finished."""
+    t0 = time.monotonic()
+    out: list[Outcome] = []
+
+    async def caller() -> None:
+        while time.monotonic() - t0 < seconds:
+            out.append(await job())
+
+    await asyncio.gather(*(caller() for _ in range(callers)))
+    return out, time.monotonic() - t0
+
+
+async def calibrate(base: str) -> Calibration:
+    """The static stack's own figures on this host now (see the module's docstring)."""
     import httpx
 
     rng = random.Random(0)
-    async with (
-        stack(model, False, (1.0, 1.0)) as (base, _, _),
-        httpx.AsyncClient(timeout=300.0) as client,
-    ):
-        await one(client, base, prompt(rng, LONG_PROMPT), SHORT_ANSWER)  # warm-up
-        ttft = statistics.median(
-            [(await one(client, base, prompt(rng, LONG_PROMPT), SHORT_ANSWER)).ttft
-             for _ in range(3)]
-        )  # fmt: skip
-        tpot = (await one(client, base, prompt(rng, SHORT_PROMPT), LONG_ANSWER)).tpot
-    return ttft, tpot
+
+    def long_prompt() -> Any:
+        return one(client, base, prompt(rng, LONG_PROMPT), SHORT_ANSWER)
+
+    def long_answer() -> Any:
+        return one(client, base, prompt(rng, SHORT_PROMPT), LONG_ANSWER)
+
+    async with httpx.AsyncClient(timeout=300.0, limits=httpx.Limits(max_connections=64)) as client:
+        await long_prompt()  # warm-up
+        await long_answer()
+        ttft = statistics.median([(await long_prompt()).ttft for _ in range(3)])
+        tpot = statistics.median([(await long_answer()).tpot for _ in range(2)])
+        done, seconds = await closed_loop(client, base, 2, 6.0, long_prompt)
+        prompts_per_s = sum(o.ok for o in done) / seconds
+        answers_per_s, streams = 0.0, 0
+        for k in (2, 4, 8, 16):
+            done, seconds = await closed_loop(client, base, k, 4.0, long_answer)
+            if statistics.median(o.tpot for o in done) > 3 * tpot:
+                break
+            answers_per_s, streams = sum(o.ok for o in done) / seconds, k
+    if streams == 0:  # not even two streams inside the objective: one is what it serves
+        answers_per_s, streams = 1 / (LONG_ANSWER * tpot), 1
+    return Calibration(ttft, tpot, prompts_per_s, answers_per_s, streams)
+
+
+OVERLOAD = 1.5
+"""Each phase offers this many times what the static split serves of it: one worker
+of the role is short, two keep up."""
 
 
 async def local_bench(phase_s: float, rounds: int) -> dict[str, float]:
@@ -211,33 +267,40 @@ async def local_bench(phase_s: float, rounds: int) -> dict[str, float]:
 
     with tempfile.TemporaryDirectory() as d:
         model = save_tiny_llama(Path(d))
-        idle_ttft, idle_tpot = await calibrate(model)
-        slo = (3 * idle_ttft, 3 * idle_tpot)
-        print(f"idle: TTFT {idle_ttft:.3f} s (a {LONG_PROMPT}-token prompt), TPOT "
-              f"{idle_tpot * 1000:.1f} ms; objectives TTFT {slo[0]:.3f} s, TPOT "
-              f"{slo[1] * 1000:.1f} ms", flush=True)  # fmt: skip
-        # prompts at 1.5x one worker's prefill rate; answers at about 8 streams in flight
-        p_rate = 1.5 / idle_ttft
-        g_rate = 8 / (LONG_ANSWER * idle_tpot * 2)
-        phases = [("prompts", phase_s, p_rate), ("answers", phase_s, g_rate)] * rounds
-        out: dict[str, Local] = {}
-        for name, flex in (("static", False), ("flex", True)):
-            async with stack(model, flex, slo) as (base, local, started):
-                started[0] = time.monotonic()
-                local.outcomes = await drive(base, phases, seed=1)
-                local.seconds = time.monotonic() - started[0]
-            out[name] = local
+        async with stack(model, False, (1.0, 1.0)) as (static_base, static):
+            cal = await calibrate(static_base)
+            slo = cal.slo
+            p_rate, g_rate = OVERLOAD * cal.prompts_per_s, OVERLOAD * cal.answers_per_s
+            print(f"static split now: TTFT {cal.ttft:.3f} s (a {LONG_PROMPT}-token prompt), "
+                  f"TPOT {cal.tpot * 1000:.1f} ms (one stream); serves "
+                  f"{cal.prompts_per_s:.2f} long prompts/s and {cal.answers_per_s:.2f} long "
+                  f"answers/s ({cal.streams} streams in the objective); objectives TTFT "
+                  f"{slo[0]:.3f} s, TPOT {slo[1] * 1000:.1f} ms; offered {p_rate:.2f} and "
+                  f"{g_rate:.2f} req/s", flush=True)  # fmt: skip
+            one_round = [("prompts", phase_s, p_rate), ("answers", phase_s, g_rate)]
+            async with stack(model, True, slo) as (flex_base, flex):
+                starts: list[float] = []
+                seconds = {"static": 0.0, "flex": 0.0}
+                for r in range(rounds):
+                    for name, base, local in (("static", static_base, static),
+                                              ("flex", flex_base, flex)):  # fmt: skip
+                        t0 = time.monotonic()
+                        if name == "flex":
+                            starts += [t0, t0 + phase_s]
+                        local.outcomes += await drive(base, one_round, seed=1 + r)
+                        seconds[name] += time.monotonic() - t0
+        out = {"static": static, "flex": flex}
+        for name, local in out.items():
             att = local.attainment(*slo)
+            moves = [(round(t - starts[0], 1), w.split("@")[0], r) for t, w, r in local.switches]
             print(f"{name:6s}: {len(local.outcomes)} requests, SLO attainment {att:.3f}, "
-                  f"goodput {att * len(local.outcomes) / local.seconds:.2f} req/s, "
-                  f"switches {[(round(t, 1), w.split('@')[0], r) for t, w, r in local.switches]}",
-                  flush=True)  # fmt: skip
-    static_att, flex_att = out["static"].attainment(*slo), out["flex"].attainment(*slo)
+                  f"goodput {att * len(local.outcomes) / seconds[name]:.2f} req/s, "
+                  f"switches {moves}", flush=True)  # fmt: skip
+    static_att, flex_att = static.attainment(*slo), flex.attainment(*slo)
     waits = []
-    for i in range(len(phases)):
-        at = i * phase_s
-        wanted = ("prefill", "both") if phases[i][0] == "prompts" else ("decode", "both")
-        after = [t for t, _, r in out["flex"].switches if t >= at and r in wanted]
+    for i, at in enumerate(starts):
+        wanted = ("prefill", "both") if i % 2 == 0 else ("decode", "both")
+        after = [t for t, _, r in flex.switches if t >= at and r in wanted]
         waits.append(after[0] - at if after and after[0] < at + phase_s else math.inf)
     print(f"phase change to rebalanced split (s): {[round(w, 1) for w in waits]}", flush=True)
     return {"ratio": flex_att / static_att if static_att else math.inf,

@@ -22,6 +22,7 @@ EXPECTED = {
     ("", "serviceaccounts"): {"get", "create", "patch"},
     ("", "secrets"): {"create"},
     ("", "events"): {"create"},
+    ("", "pods"): {"list", "patch"},
     ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch"},
     ("policy", "poddisruptionbudgets"): {"get", "create", "patch"},
     ("gateway.networking.k8s.io", "httproutes"): {"get", "create", "patch"},

@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
+from splitserve.role_balance import BalanceConfig
 from splitserve_operator.api.status import KV_INTEGRITY
-from splitserve_operator.control.autoscaling.config import AutoscaleConfig
+from splitserve_operator.control.autoscaling.config import AutoscaleConfig, FlexConfig
 from splitserve_operator.control.autoscaling.loop import Autoscaler
 from splitserve_operator.control.autoscaling.metrics import OperatorMetrics
 from splitserve_operator.control.autoscaling.status import CONDITION
-from splitserve_operator.control.k8s import FIELD_MANAGER, PLANNER, Applied
+from splitserve_operator.control.k8s import FIELD_MANAGER, PLANNER, ApiError, Applied
 from splitserve_operator.control.prometheus import MetricsUnavailable, Target
 from splitserve_operator.planner.model import Observation
 
@@ -35,6 +36,26 @@ class FakeCluster:
         self.pool_applies: list[tuple[str, int, str]] = []
         self.status_applies: list[dict[str, Any]] = []
         self.events: list[tuple[str, str, str]] = []
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.label_applies: list[tuple[str, dict[str, str], str]] = []
+        self.refuse_pods: ApiError | None = None
+
+    def pod(self, name: str, role: str, ready: bool = True) -> None:
+        """A pod of the service's flex Deployment with that role label."""
+        self.pods[name] = {
+            "metadata": {"name": name, "labels": {"splitserve.io/role": role}},
+            "status": {"conditions": [{"type": "Ready", "status": str(ready)}]},
+        }
+
+    def roles(self) -> dict[str, str]:
+        return {n: p["metadata"]["labels"]["splitserve.io/role"] for n, p in self.pods.items()}
+
+    def list(
+        self, kind: Any, namespace: str | None = None, label_selector: str | None = None
+    ) -> list[dict[str, Any]]:
+        assert kind.kind == "Pod" and namespace == "prod"
+        assert label_selector == "app.kubernetes.io/instance=chat,app.kubernetes.io/component=flex"
+        return [dict(p) for p in self.pods.values()]
 
     def deployment(self, name: str, replicas: int, ready: int, scaler: str = FIELD_MANAGER) -> None:
         self.deployments[name] = {
@@ -77,6 +98,16 @@ class FakeCluster:
         subresource: str | None = None,
     ) -> Applied:
         assert field_manager == PLANNER
+        if manifest["kind"] == "Pod":
+            # only the role label: the planner owns nothing else of a pod
+            meta = manifest["metadata"]
+            assert set(meta) == {"name", "namespace", "labels"} and set(manifest) == {
+                "apiVersion", "kind", "metadata"}  # fmt: skip
+            if self.refuse_pods is not None:
+                raise self.refuse_pods
+            self.label_applies.append((meta["name"], dict(meta["labels"]), field_manager))
+            self.pods[meta["name"]]["metadata"]["labels"].update(meta["labels"])
+            return Applied(dict(manifest), created=False)
         if subresource == "status":
             assert manifest["kind"] == "InferenceService"
             self.status_applies.append(dict(manifest["status"]))
@@ -339,3 +370,106 @@ def test_kv_integrity_keeps_its_transition_time_while_it_holds() -> None:
         0.0, "10m", None, generation=1, now=t0 + dt.timedelta(minutes=2), previous=[later]
     )
     assert flipped["status"] == "True" and flipped["lastTransitionTime"] == "2026-11-29T10:02:00Z"
+
+
+# -- switchable workers (spec.flex) ----------------------------------------------------
+
+FLEX = FlexConfig(balance=BalanceConfig(min_dwell_s=60, sustain_s=0), drain_s=5,
+                  prefix_hit_ratio=0.0, cold_start_s=300)  # fmt: skip
+
+
+def flex_service(status: dict[str, Any] | None = None) -> dict[str, Any]:
+    body = service()
+    body["spec"]["flex"] = {"replicas": 2}
+    if status is not None:
+        body["status"] = status
+    return body
+
+
+@pytest.fixture
+def flex_rig(rig: Any) -> tuple[Autoscaler, FakeCluster, FakeSource, Clock]:
+    _, cluster, source, clock = rig
+    cluster.pod("chat-flex-a", "both")
+    cluster.pod("chat-flex-b", "both")
+    scaler = Autoscaler(
+        cluster,
+        AutoscaleConfig(window_s=60, fast_window_s=30, flex=FLEX),
+        source_factory=lambda url: source,
+        metrics=OperatorMetrics(CollectorRegistry()),
+        clock=clock,
+        wall_clock=lambda: (
+            dt.datetime(2026, 11, 29, 10, 0, tzinfo=dt.UTC) + dt.timedelta(seconds=clock.t - 1000.0)
+        ),
+    )
+    return scaler, cluster, source, clock
+
+
+def test_a_ttft_breach_relabels_a_flex_pod_instead_of_growing_prefill(flex_rig: Any) -> None:
+    scaler, cluster, source, clock = flex_rig
+    source.obs = Observation(**{**CALM, "ttft_s": 2.0, "tpot_s": 0.02})  # TTFT 2x, TPOT 0.4x
+    result = scaler.tick(flex_service())
+    assert result is not None and result.flex is not None
+    # the first pod by name gives up decode: both -> prefill, its label applied as the planner
+    assert cluster.label_applies == [("chat-flex-a", {"splitserve.io/role": "prefill"}, PLANNER)]
+    assert cluster.pool_applies == []  # the prefill pool did not grow: the switch serves it
+    flex = cluster.status_applies[-1]["flex"]
+    assert (flex["prefill"], flex["decode"], flex["both"], flex["switching"]) == (1, 0, 1, 0)
+    assert flex["reason"] == "switch"
+    assert flex["lastSwitch"] == {"time": "2026-11-29T10:00:00Z", "pod": "chat-flex-a",
+                                  "from": "both", "to": "prefill"}  # fmt: skip
+    prefill = cluster.status_applies[-1]["autoscaling"]["pools"]["prefill"]
+    assert "switches instead" in prefill["message"] and prefill["desiredReplicas"] == 2
+    assert [e[:2] for e in cluster.events] == [("Normal", "RoleSwitched")]
+    assert "pod chat-flex-a both -> prefill" in cluster.events[0][2]
+    # still breached 30 s later: the dwell (60 s) holds the next switch
+    clock.t += 30
+    scaler.tick(flex_service())
+    assert len(cluster.label_applies) == 1
+    assert cluster.status_applies[-1]["flex"]["reason"] == "dwell"
+    assert cluster.status_applies[-1]["flex"]["prefill"] == 1  # read back from the label
+    # past the dwell, a colocated pod gives up decode too (2 fixed decode pods remain)
+    clock.t += 30
+    scaler.tick(flex_service())
+    assert cluster.roles() == {"chat-flex-a": "prefill", "chat-flex-b": "prefill"}
+    assert len([e for e in cluster.events if e[1] == "RoleSwitched"]) == 2
+
+
+def test_a_pod_not_ready_holds_every_switch(flex_rig: Any) -> None:
+    scaler, cluster, source, _ = flex_rig
+    cluster.pod("chat-flex-b", "both", ready=False)  # starting, or draining into a switch
+    source.obs = Observation(**{**CALM, "ttft_s": 2.0, "tpot_s": 0.02})
+    scaler.tick(flex_service())
+    assert cluster.label_applies == []
+    flex = cluster.status_applies[-1]["flex"]
+    assert (flex["both"], flex["switching"], flex["reason"]) == (1, 1, "switch_under_way")
+
+
+def test_a_refused_relabel_switches_nothing_and_is_retried(flex_rig: Any) -> None:
+    scaler, cluster, source, clock = flex_rig
+    cluster.refuse_pods = ApiError(403, "Forbidden", "pods is forbidden")
+    source.obs = Observation(**{**CALM, "ttft_s": 2.0, "tpot_s": 0.02})
+    scaler.tick(flex_service())
+    assert cluster.roles() == {"chat-flex-a": "both", "chat-flex-b": "both"}
+    assert not [e for e in cluster.events if e[1] == "RoleSwitched"]
+    assert "lastSwitch" not in cluster.status_applies[-1]["flex"]
+    assert cluster.pool_applies == [("chat-prefill", 4, PLANNER)]  # it scales instead
+    # the next tick (no dwell started, since nothing switched) switches
+    cluster.refuse_pods = None
+    clock.t += 30
+    scaler.tick(flex_service())
+    assert cluster.roles()["chat-flex-a"] == "prefill"
+
+
+def test_the_dwell_holds_across_an_operator_restart(flex_rig: Any) -> None:
+    """A new operator reads the last switch from status.flex: 20 s ago is inside 60 s."""
+    scaler, cluster, source, clock = flex_rig
+    source.obs = Observation(**{**CALM, "ttft_s": 2.0, "tpot_s": 0.02})
+    last = {"time": "2026-11-29T09:59:40Z", "pod": "chat-flex-b", "from": "prefill",
+            "to": "both"}  # fmt: skip
+    scaler.tick(flex_service({"flex": {"lastSwitch": last}}))
+    assert cluster.label_applies == []
+    flex = cluster.status_applies[-1]["flex"]
+    assert flex["reason"] == "dwell" and flex["lastSwitch"] == last
+    clock.t += 40  # 60 s after that switch
+    scaler.tick(flex_service({"flex": {"lastSwitch": last}}))
+    assert len(cluster.label_applies) == 1

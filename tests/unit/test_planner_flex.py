@@ -69,3 +69,45 @@ def test_missing_metrics_hold_everything() -> None:
     scaled = plan(PlannerState(), t, CFG)
     got = rebalance(scaled, t, SPLIT, CHEAP, BalanceMemory(), CFG, BAL)
     assert (got.balance.switch_to, got.balance.reason) == (None, Reason.MISSING)
+
+
+SLOW = BalanceConfig(min_dwell_s=60, sustain_s=10, comfort_band=0.8)
+
+
+def test_a_switch_waiting_on_its_sustain_holds_the_scale_up_it_would_replace() -> None:
+    """The first tick of a TTFT breach: the policy wants 10 s of it; a new pod (300 s)
+    would come long after the switch, so prefill does not grow meanwhile."""
+    t = tick(1000.0, ttft_s=2.0)
+    scaled = plan(PlannerState(), t, CFG)
+    assert scaled.prefill.direction is Direction.UP
+    got = rebalance(scaled, t, SPLIT, CHEAP, BalanceMemory(), CFG, SLOW)
+    assert (got.balance.switch_to, got.balance.reason) == (None, Reason.SUSTAIN)
+    assert got.plan.prefill.direction is Direction.HOLD
+    assert "a switch to prefill is due in 10 s" in got.plan.prefill.detail
+    # 10 s on, the switch itself
+    t2 = tick(1010.0, ttft_s=2.0)
+    after = rebalance(plan(PlannerState(), t2, CFG), t2, SPLIT, CHEAP, got.balance.memory,
+                      CFG, SLOW)  # fmt: skip
+    assert (after.balance.switch_to, after.plan.prefill.direction) == (Role.PREFILL, Direction.HOLD)
+
+
+def test_a_switch_held_by_the_dwell_holds_the_scale_up_too() -> None:
+    t = tick(1000.0, kv_utilization=0.97)
+    last = BalanceMemory(last_switch_at=970.0)  # 30 s of a 60 s dwell
+    got = rebalance(plan(PlannerState(), t, CFG), t, SPLIT, CHEAP, last, CFG, BAL)
+    assert got.balance.reason is Reason.DWELL
+    assert got.plan.decode.direction is Direction.HOLD
+    assert "due in 30 s" in got.plan.decode.detail
+
+
+def test_the_planner_scales_when_no_switch_is_coming() -> None:
+    """Waiting does not hold a scale-up when the wait and the switch cost more than a
+    new pod, nor when the donor has no worker to give."""
+    t = tick(1000.0, ttft_s=2.0)
+    scaled = plan(PlannerState(), t, CFG)
+    quick_pod = Costs(drain_s=5, prefix_hit_ratio=0.0, cold_start_s=12, can_scale=True)
+    got = rebalance(scaled, t, SPLIT, quick_pod, BalanceMemory(), CFG, SLOW)  # 10 + 5 >= 12
+    assert (got.balance.reason, got.plan) == (Reason.SUSTAIN, scaled)
+    fixed_only = Split(prefill=0, decode=0, fixed_prefill=1, fixed_decode=1)
+    got = rebalance(scaled, t, fixed_only, CHEAP, BalanceMemory(), CFG, SLOW)
+    assert (got.balance.reason, got.plan) == (Reason.SUSTAIN, scaled)

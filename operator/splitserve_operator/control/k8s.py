@@ -93,12 +93,15 @@ KINDS: dict[tuple[str, str], Kind] = {
         Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
         Kind("gateway.networking.k8s.io/v1", "HTTPRoute", "httproutes"),
         Kind("coordination.k8s.io/v1", "Lease", "leases"),
+        Kind("v1", "Pod", "pods"),
     )
 }
 INFERENCE_SERVICE = KINDS[(API_VERSION, KIND)]
 WORKER_POOL = KINDS[(API_VERSION, POOL_KIND)]
 DEPLOYMENT = KINDS[("apps/v1", "Deployment")]
 LEASE = KINDS[("coordination.k8s.io/v1", "Lease")]
+POD = KINDS[("v1", "Pod")]
+"""Only read, and relabelled: the planner switches a ``spec.flex`` pod by its role label."""
 
 
 def kind_of(manifest: Mapping[str, Any]) -> Kind:
@@ -195,6 +198,9 @@ class Cluster(Protocol):
     fakes in unit tests)."""
 
     def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None: ...
+    def list(
+        self, kind: Kind, namespace: str | None = None, label_selector: str | None = None
+    ) -> list[dict[str, Any]]: ...
     def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]: ...
     def patch(
         self,

@@ -4,11 +4,16 @@
 the same signals (TTFT and the prefill queue for prefill, TPOT, KV use and the decode
 queue for decode), asks the contract's policy (:mod:`splitserve.role_balance`) whether
 one switchable worker should change role, and when it should, the scale-up of the pool
-it joins is held this tick: the switch serves the need instead of a new pod. Pure.
+it joins is held this tick: the switch serves the need instead of a new pod. So is the
+scale-up while a switch waits only on the policy's clocks (its pressure not yet
+sustained, or the dwell since the last switch), when waiting for it and its cost
+come to less than a new pod's cold start: a pod ordered now would arrive after the
+switch it duplicates. Pure.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from splitserve.role_balance import (
@@ -70,23 +75,54 @@ def rebalance(
     if pre is None or dec is None:
         return FlexPlan(plan, _hold(memory, "missing signals"))
     decision = decide(pre, dec, split, costs, memory, tick.now, balance)
-    if decision.switch_to is Role.PREFILL:
-        plan = replace(plan, prefill=_instead(plan.prefill, decision))
-    elif decision.switch_to is Role.DECODE:
-        plan = replace(plan, decode=_instead(plan.decode, decision))
+    served, why = decision.switch_to, f"a switchable worker switches instead ({decision.detail})"
+    if served is Role.BOTH:  # the donor's last worker takes the needy role as well
+        served = Role.DECODE if decision.switch_from is Role.PREFILL else Role.PREFILL
+    wait = waiting(pre, dec, split, costs, decision, tick.now, balance)
+    if wait is not None:
+        served = decision.memory.needy
+        why = f"a switch to {served} is due in {wait:.3g} s, sooner than a new pod"
+    if served is Role.PREFILL:
+        plan = replace(plan, prefill=_instead(plan.prefill, why))
+    elif served is Role.DECODE:
+        plan = replace(plan, decode=_instead(plan.decode, why))
     return FlexPlan(plan, decision)
 
 
-def _instead(d: PoolDecision, switch: BalanceDecision) -> PoolDecision:
-    """Hold a scale-up that the switch replaces (a shrink or a hold stays as it is)."""
+def waiting(
+    prefill: SideLoad,
+    decode: SideLoad,
+    split: Split,
+    costs: Costs,
+    decision: BalanceDecision,
+    now: float,
+    balance: BalanceConfig,
+) -> float | None:
+    """Seconds until the policy switches, when only its clocks (``sustain_s``,
+    ``min_dwell_s``) hold a switch it would make and waiting for it costs less than a
+    new pod; else None."""
+    if decision.reason not in (Reason.SUSTAIN, Reason.DWELL):
+        return None
+    mem = decision.memory
+    timeless = BalanceMemory(needy=mem.needy, needy_since=-math.inf)
+    if decide(prefill, decode, split, costs, timeless, now, balance).reason is not Reason.SWITCH:
+        return None
+    wait = 0.0
+    if mem.needy_since is not None:
+        wait = max(wait, balance.sustain_s - (now - mem.needy_since))
+    if mem.last_switch_at is not None:
+        wait = max(wait, balance.min_dwell_s - (now - mem.last_switch_at))
+    cost = costs.drain_s + costs.prefix_hit_ratio * balance.cache_rewarm_s
+    if costs.can_scale and wait + cost >= costs.cold_start_s:
+        return None
+    return wait
+
+
+def _instead(d: PoolDecision, why: str) -> PoolDecision:
+    """Hold a scale-up that a switch replaces (a shrink or a hold stays as it is)."""
     if d.direction is not Direction.UP:
         return d
-    return replace(
-        d,
-        replicas=d.previous,
-        direction=Direction.HOLD,
-        detail=f"{d.detail}; a switchable worker switches instead ({switch.detail})",
-    )
+    return replace(d, replicas=d.previous, direction=Direction.HOLD, detail=f"{d.detail}; {why}")
 
 
 def _hold(memory: BalanceMemory, why: str) -> BalanceDecision:

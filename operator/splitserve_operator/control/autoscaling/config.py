@@ -6,11 +6,41 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from splitserve.role_balance import BalanceConfig
+
 from splitserve_operator.api.series import DEFAULT_SELECTOR
 from splitserve_operator.planner.config import PlannerConfig
 
 if TYPE_CHECKING:  # the HTTP client loads only where queries are made
     from splitserve_operator.control.prometheus import PrometheusAuth
+
+
+@dataclass(frozen=True)
+class FlexConfig:
+    """How the loop weighs switching a pod of ``spec.flex`` against adding one."""
+
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    """The switch policy's knobs (:mod:`splitserve.role_balance`): at most one switch
+    per ``min_dwell_s`` (60 s), pressure sustained for ``sustain_s`` (10 s), a donor
+    under ``comfort_band`` of its SLO."""
+
+    drain_s: float = 30.0
+    """Seconds (s) a donor pod is expected to drain before it serves its new role: its
+    streams run out or migrate within the worker's drain bound."""
+
+    prefix_hit_ratio: float = 0.5
+    """Share (0 to 1) of prompt tokens a donor's prefix cache is expected to serve; a
+    switch loses that cache (the policy's ``cache_rewarm_s`` prices it)."""
+
+    cold_start_s: float = 300.0
+    """Seconds (s) a new worker pod takes to serve (scheduling, image, weights): what a
+    switch is weighed against while the fixed pool it helps may still grow."""
+
+    def __post_init__(self) -> None:
+        if self.drain_s < 0 or self.cold_start_s < 0:
+            raise ValueError("drain_s and cold_start_s must be >= 0 seconds")
+        if not 0 <= self.prefix_hit_ratio <= 1:
+            raise ValueError(f"prefix_hit_ratio must be in [0, 1], got {self.prefix_hit_ratio}")
 
 
 @dataclass(frozen=True)
@@ -52,6 +82,9 @@ class AutoscaleConfig:
 
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     """The planner's knobs; its ``observation_window_s`` is set to ``window_s``."""
+
+    flex: FlexConfig = field(default_factory=FlexConfig)
+    """How pods of a service's ``spec.flex`` are switched between roles."""
 
     forget_after_s: float = 3600.0
     """Seconds (s) without a tick after which a service's planner memory is

@@ -18,6 +18,15 @@ not passed) :meth:`Autoscaler.tick`:
    applies its records under ``status.autoscaling`` and the ``ScalingActive`` condition,
    records an Event on every change, and updates the operator's metrics.
 
+A service with switchable workers (``spec.flex``) gets one more step between 3 and 5:
+its pods' role labels give the split (:mod:`.flex`), the policy of
+:func:`splitserve_operator.planner.flex.rebalance` decides from the same observation
+whether one pod switches instead of a fixed pool growing, and a switch is applied by
+relabelling that pod (under the planner's field manager; the worker follows its
+label). The split goes into ``status.flex``, a ``RoleSwitched`` Event announces each
+switch. At most one switch per ``FlexConfig.balance.min_dwell_s``, counted on the
+loop's clock and carried over an operator restart by ``status.flex.lastSwitch``.
+
 Prometheus unreachable or the series missing: the planner holds, the
 condition ``ScalingActive`` turns False with reason ``MetricsUnavailable``,
 one Warning event says why, and no replica count moves. A pool whose ``spec.replicas``
@@ -36,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.metric_server import MetricsServer, start_metrics_server
+from splitserve.role_balance import BalanceDecision, BalanceMemory, Costs, Split
 
 from splitserve_operator.api.durations import format_duration
 from splitserve_operator.api.fields import as_int, as_map, count, timestamp
@@ -44,17 +54,21 @@ from splitserve_operator.api.parse import SpecError, parse_spec
 from splitserve_operator.api.status import kv_integrity_condition
 from splitserve_operator.api.values import Pool
 from splitserve_operator.control.autoscaling.config import AutoscaleConfig
+from splitserve_operator.control.autoscaling.flex import flex_pods, pick, relabel, split_of
 from splitserve_operator.control.autoscaling.metrics import OperatorMetrics
 from splitserve_operator.control.autoscaling.status import (
+    EVENT_ROLE_SWITCHED,
     POOLS,
     REASON_ACTIVE,
     REASON_HOLDING,
     REASON_OUTSIDE,
     event_message,
     event_reason,
+    flex_status,
     hold_message,
     outside_message,
     planner_status,
+    switch_message,
 )
 from splitserve_operator.control.k8s import (
     DEPLOYMENT,
@@ -73,6 +87,7 @@ from splitserve_operator.control.prometheus import (
     Target,
 )
 from splitserve_operator.planner.core import plan
+from splitserve_operator.planner.flex import rebalance
 from splitserve_operator.planner.model import Bounds, Plan, PlannerState, PoolStatus, Slo, Tick
 from splitserve_operator.planner.model import Pool as PlannerPool
 from splitserve_operator.render.names import API_VERSION, KIND, POOL_KIND
@@ -102,6 +117,20 @@ class _Memory:
     scaling_active: bool | None = None
     outside: frozenset[Pool] = frozenset()
     last_scale: dict[str, str] = field(default_factory=dict)
+    balance: BalanceMemory = field(default_factory=BalanceMemory)
+    last_switch: dict[str, str] | None = None
+    """The last switch of a flex pod: ``time``, ``pod``, ``from``, ``to``."""
+
+
+@dataclass(frozen=True)
+class FlexTick:
+    """What one tick did with a service's switchable pods."""
+
+    split: Split
+    """Pods per role once this tick's switch (if any) is applied."""
+    decision: BalanceDecision
+    switched: str | None
+    """The pod relabelled this tick; None: none."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +139,8 @@ class TickResult:
     patched: bool
     hold_reason: str | None
     """Why the tick held for missing data, else None."""
+    flex: FlexTick | None = None
+    """The switchable pods' part (a service with ``spec.flex``), else None."""
 
 
 class Autoscaler:
@@ -237,17 +268,17 @@ class Autoscaler:
                 last_tick=now,
             )
             self._memory[key] = memory
-        result = plan(
-            memory.state,
-            Tick(
-                now=now,
-                slo=slo,
-                prefill=statuses[PlannerPool.PREFILL],
-                decode=statuses[PlannerPool.DECODE],
-                observation=observation,
-            ),
-            self.config.planner_config(),
+        tick = Tick(
+            now=now,
+            slo=slo,
+            prefill=statuses[PlannerPool.PREFILL],
+            decode=statuses[PlannerPool.DECODE],
+            observation=observation,
         )
+        result = plan(memory.state, tick, self.config.planner_config())
+        flex = None
+        if spec.flex is not None:
+            result, flex = self._rebalance(body, tick, result, memory)
         memory.state = result.state
         memory.last_tick = now
         if not result.metrics_ok and hold_reason is None:
@@ -260,10 +291,10 @@ class Autoscaler:
                 or "metrics missing"
             )
         outside = {POOLS[p]: list(v.others) for p, v in views.items() if v.others}
-        patched = self._write(body, views, result, memory, hold_reason, outside, integrity)
+        patched = self._write(body, views, result, memory, hold_reason, outside, integrity, flex)
         ready = {p: s.ready for p, s in statuses.items()}
         self.metrics.record(namespace, name, result, ready, slo)
-        self._events(body, result, memory, hold_reason, outside, views)
+        self._events(body, result, memory, hold_reason, outside, views, flex)
         for d in result.decisions():
             if d.changed and POOLS[d.pool] not in outside:
                 log.info(
@@ -276,7 +307,66 @@ class Autoscaler:
                     d.reason.value,
                     d.detail,
                 )
-        return TickResult(plan=result, patched=patched, hold_reason=hold_reason)
+        return TickResult(plan=result, patched=patched, hold_reason=hold_reason, flex=flex)
+
+    def _rebalance(
+        self, body: Mapping[str, Any], tick: Tick, result: Plan, memory: _Memory
+    ) -> tuple[Plan, FlexTick | None]:
+        """Whether one flex pod switches this tick, and the plan with the scale-up it
+        replaces held; the switch is applied here (the pod relabelled). None: the pods
+        could not be read (the planner scales as without them; the next tick retries)."""
+        namespace, name, _ = self._key(body)
+        try:
+            pods = flex_pods(self.cluster, namespace, name)
+        except ApiError as exc:
+            log.warning("could not read the flex pods of %s/%s: %s", namespace, name, exc)
+            return result, None
+        if memory.last_switch is None:
+            self._recall_switch(body, memory, tick.now)
+        split = split_of(pods, tick.prefill.ready, tick.decode.ready)
+        cfg = self.config.flex
+        costs = Costs(
+            drain_s=cfg.drain_s,
+            prefix_hit_ratio=cfg.prefix_hit_ratio,
+            cold_start_s=cfg.cold_start_s,
+            can_scale=any(s.replicas < s.bounds.max_replicas for s in (tick.prefill, tick.decode)),
+        )
+        got = rebalance(
+            result, tick, split, costs, memory.balance, self.config.planner_config(), cfg.balance
+        )
+        decision = got.balance
+        frm, to = decision.switch_from, decision.switch_to
+        if frm is None or to is None:
+            memory.balance = decision.memory
+            return got.plan, FlexTick(split, decision, None)
+        pod = pick(pods, frm)
+        if pod is None:  # split_of counted it serving, so pick finds it: never here
+            raise AssertionError(f"the policy switches a {frm} pod, and {split} has none")
+        try:
+            relabel(self.cluster, namespace, pod.name, to)
+        except ApiError as exc:  # nothing switched: the policy's memory stays, next tick retries
+            log.warning("could not switch pod %s of %s/%s to %s: %s", pod.name, namespace, name,
+                        to, exc)  # fmt: skip
+            return result, FlexTick(split, decision, None)
+        memory.balance = decision.memory
+        memory.last_switch = {"time": timestamp(self._wall()), "pod": pod.name,
+                              "from": frm.value, "to": to.value}  # fmt: skip
+        log.info("%s/%s switched pod %s: %s", namespace, name, pod.name, decision.detail)
+        return got.plan, FlexTick(split.after(frm, to), decision, pod.name)
+
+    def _recall_switch(self, body: Mapping[str, Any], memory: _Memory, now: float) -> None:
+        """After an operator restart: the last switch from ``status.flex.lastSwitch``, so
+        the dwell holds across it (its wall time turned into the loop's clock)."""
+        last = as_map(as_map(as_map(body.get("status")).get("flex")).get("lastSwitch"))
+        try:
+            at = dt.datetime.fromisoformat(str(last.get("time")))
+        except ValueError:
+            return
+        if at.tzinfo is None:
+            return
+        memory.last_switch = {str(k): str(v) for k, v in last.items()}
+        ago = (self._wall() - at).total_seconds()
+        memory.balance = BalanceMemory(last_switch_at=now - max(0.0, ago))
 
     def _integrity(
         self, body: Mapping[str, Any], source: MetricsSource, target: Target
@@ -350,6 +440,7 @@ class Autoscaler:
         hold_reason: str | None,
         outside: Mapping[Pool, list[str]],
         integrity: Mapping[str, Any] | None = None,
+        flex: FlexTick | None = None,
     ) -> bool:
         """Apply the changed decisions to the WorkerPools and the planner's status; False
         when a write failed (the next tick tries again)."""
@@ -381,6 +472,9 @@ class Autoscaler:
             names={POOLS[p]: v.name for p, v in views.items()},
             stamp=stamp,
             integrity=integrity,
+            flex=None
+            if flex is None
+            else flex_status(flex.split, flex.decision, last_switch=memory.last_switch),
         )
         manifest = {
             "apiVersion": API_VERSION,
@@ -403,6 +497,7 @@ class Autoscaler:
         hold_reason: str | None,
         outside: Mapping[Pool, list[str]],
         views: Mapping[PlannerPool, PoolView],
+        flex: FlexTick | None = None,
     ) -> None:
         active = hold_reason is None
         was = memory.scaling_active
@@ -428,3 +523,7 @@ class Autoscaler:
         for d in result.decisions():
             if d.changed and POOLS[d.pool] not in outside:
                 self.cluster.event(body, "Normal", event_reason(d), event_message(d))
+        if flex is not None and flex.switched is not None:
+            self.cluster.event(
+                body, "Normal", EVENT_ROLE_SWITCHED, switch_message(flex.switched, flex.decision)
+            )

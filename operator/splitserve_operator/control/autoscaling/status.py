@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
+from splitserve.role_balance import BalanceDecision, Split
+
 from splitserve_operator.api.fields import as_map, count
 from splitserve_operator.api.values import Pool
 from splitserve_operator.planner.model import Direction, Plan, PoolDecision
@@ -25,6 +27,8 @@ REASON_HOLDING = "MetricsUnavailable"
 REASON_OUTSIDE = "ScaledOutside"
 EVENT_SCALED_UP = "ScaledUp"
 EVENT_SCALED_DOWN = "ScaledDown"
+EVENT_ROLE_SWITCHED = "RoleSwitched"
+"""A pod of ``spec.flex`` was relabelled to another role (one Event per switch)."""
 
 POOLS: dict[PlannerPool, Pool] = {
     PlannerPool.PREFILL: Pool.PREFILL,
@@ -64,10 +68,12 @@ def planner_status(
     names: Mapping[Pool, str],
     stamp: str,
     integrity: Mapping[str, Any] | None = None,
+    flex: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The planner's ``status`` for one tick; records ``stamp`` in ``last_scale`` for
     every pool whose replica count it changed. ``integrity``: the ``KVIntegrity``
-    condition this tick read, applied beside ``ScalingActive``."""
+    condition this tick read, applied beside ``ScalingActive``; ``flex``: the
+    switchable pods' ``status.flex`` (:func:`flex_status`), for a service with some."""
     planner_pools: dict[str, Any] = {}
     for d in result.decisions():
         pool = POOLS[d.pool]
@@ -93,7 +99,7 @@ def planner_status(
         active, reason, message = True, REASON_ACTIVE, hold_message(None)
     status = as_map(body.get("status"))
     generation = count(as_map(body.get("metadata")).get("generation"))
-    return {
+    out: dict[str, Any] = {
         "autoscaling": {
             "lastTickTime": stamp,
             "metricsAvailable": hold_reason is None,
@@ -104,6 +110,31 @@ def planner_status(
             *([dict(integrity)] if integrity is not None else []),
         ],
     }
+    if flex is not None:
+        out["flex"] = dict(flex)
+    return out
+
+
+def flex_status(
+    split: Split, decision: BalanceDecision, *, last_switch: Mapping[str, str] | None
+) -> dict[str, Any]:
+    """``status.flex``: the switchable pods per role (after this tick's switch), the
+    policy's word on this tick, and the last switch (``time``, ``pod``, ``from``, ``to``)."""
+    out: dict[str, Any] = {
+        "prefill": split.prefill,
+        "decode": split.decode,
+        "both": split.both,
+        "switching": split.switching,
+        "reason": decision.reason.value,
+        "message": decision.detail[:512],
+    }
+    if last_switch is not None:
+        out["lastSwitch"] = dict(last_switch)
+    return out
+
+
+def switch_message(pod: str, decision: BalanceDecision) -> str:
+    return f"pod {pod} {decision.switch_from} -> {decision.switch_to}: {decision.detail}"
 
 
 def scaling_condition(
