@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PLANNER_TESTS = (
     "tests/unit/test_planner_core.py",
     "tests/unit/test_planner_edges.py",
+    "tests/unit/test_planner_flex.py",
     "tests/unit/test_planner_learning.py",
     "tests/unit/test_planner_stability.py",
     "tests/unit/test_planner_config.py",
@@ -54,6 +55,7 @@ PLANNER_TESTS = (
 RENDER_TESTS = (
     "tests/unit/test_operator_render.py",
     "tests/unit/test_operator_render_edges.py",
+    "tests/unit/test_operator_render_flex.py",
     "tests/unit/test_operator_render_objects.py",
     "tests/unit/test_operator_images.py",
 )
