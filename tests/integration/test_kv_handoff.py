@@ -353,7 +353,10 @@ def test_events_stream_prefix_cache_stores(tiny_model_path: Path) -> None:
                         return
 
             task = asyncio.ensure_future(listen())
-            await asyncio.sleep(0.3)
+            # events carry no replay: the prompt runs once the stream is subscribed
+            hub = ws[0].service.events
+            await until(lambda: hub.subscribers == 1 or task.done(), timeout=60,
+                        what="the Events stream to subscribe")  # fmt: skip
             await collect(b.generate("e", prompt, SP))
             await asyncio.wait_for(task, 10)
             assert want <= stored
