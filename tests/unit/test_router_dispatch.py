@@ -6,6 +6,7 @@ tests/integration/test_router_faults.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,7 +15,12 @@ import pytest
 from mem_workers import MemWorker, collect, expected, make, run
 from splitserve.metric_names import ROUTER_RETRIES
 from splitserve.sampling import SamplingParams
-from splitserve_worker.router.config import CostModelConfig, GuardConfig, QueueConfig
+from splitserve_worker.router.config import (
+    CostModelConfig,
+    GuardConfig,
+    QueueConfig,
+    TimeoutConfig,
+)
 from splitserve_worker.router.dispatch import Dispatcher, GenRequest
 from splitserve_worker.router.failures import RequestFailed, Stale
 
@@ -287,3 +293,90 @@ async def test_a_request_that_ends_leaves_the_others_on_its_worker_assigned() ->
     assert [v.assigned for v in disp.pool.snapshot()] == [1]
     assert len(await collect(long)) == 19
     assert [v.assigned for v in disp.pool.snapshot()] == [0]
+
+
+async def test_queue_capacity_is_the_slots_of_every_worker_of_the_role() -> None:
+    ws = [MemWorker("p1", "prefill"), MemWorker("p2", "prefill")]
+    ws += [MemWorker(f"d{i}", "decode") for i in range(3)]
+    queues = QueueConfig(prefill_slots_per_worker=3, decode_slots_per_worker=5)
+    disp = await make(ws, disaggregation=REMOTE, queues=queues)
+    assert (disp.prefill_stage.capacity, disp.decode_stage.capacity) == (2 * 3, 3 * 5)
+
+
+async def test_prompt_logprobs_are_asked_of_the_first_attempt_only() -> None:
+    # scored once, with the first token: the attempt that resumes a request mid-stream
+    # does not score its prompt (the request's prompt plus the tokens so far) again
+    b1, b2 = MemWorker("b1", "both"), MemWorker("b2", "both")
+    b1.fail_generate_after = 3
+    disp = await make([b1, b2])
+    sampling = SamplingParams(max_tokens=6, prompt_logprobs=2)
+    assert await run(disp, [7, 8, 9], 6, sampling) == expected([7, 8, 9], 6)
+    (first,), (resumed,) = b1.generate_sampling, b2.generate_sampling
+    assert (first.prompt_logprobs, resumed.prompt_logprobs) == (2, None)
+
+
+class Full(MemWorker):
+    """Healthy, big enough for any prompt here, and with no block free now."""
+
+    async def health(self, timeout: float) -> Any:
+        h = await super().health(timeout)
+        h.free_blocks = 0
+        return h
+
+
+async def test_a_request_no_worker_has_room_for_within_max_wait_ends_503() -> None:
+    # the only worker is full now, and may free up: the request waits max_wait_s for
+    # room, then a 503 (try again later), not a 502 (a failure on a worker)
+    b1 = Full("b1", "both")
+    disp = await make([b1], queues=QueueConfig(max_wait_s=0.2))
+    with pytest.raises(RequestFailed) as info:
+        await run(disp, [1, 2], 3)
+    assert info.value.status == 503
+    assert "(1 workers known, 0 failed this request)" in info.value.message, info.value.message
+    assert b1.generated == []
+
+
+class SilentAfterFirst(MemWorker):
+    """Streams one token, then nothing, for ever."""
+
+    async def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        async for chunk in super().generate(*args, **kwargs):
+            yield chunk
+            await asyncio.Event().wait()
+
+
+async def test_a_stream_silent_after_its_first_token_is_judged_by_the_inter_token_timeout() -> None:
+    # first_token_s bounds only the wait for the first token; past it a silence of
+    # inter_token_s moves the request (here: after an hour, it would wait the hour)
+    b1, b2 = SilentAfterFirst("b1", "both"), MemWorker("b2", "both")
+    disp = await make([b1, b2])
+    timeouts = TimeoutConfig(health_interval_s=60, first_token_s=3600, inter_token_s=2)
+    disp.config = dataclasses.replace(disp.config, timeouts=timeouts)
+    got = await asyncio.wait_for(run(disp, [4, 5], 5), 60)
+    assert got == expected([4, 5], 5)
+    assert [g[0] for g in b1.generated] == ["r.0"] and [g[0] for g in b2.generated] == ["r.1"]
+    assert retries(disp, "migrate") == 1
+
+
+async def test_a_request_whose_workers_go_while_it_waits_for_a_prefill_slot_ends_503() -> None:
+    # planned onto d1, the request waits for p1's one slot; d1 goes meanwhile and no
+    # other decode worker exists: planned again (nothing fits), it ends 503 saying so
+    p1, d1 = MemWorker("p1", "prefill"), MemWorker("d1", "decode")
+    disp = await make([p1, d1], disaggregation=REMOTE,
+                      queues=QueueConfig(prefill_slots_per_worker=1, max_wait_s=0.2))  # fmt: skip
+    p1.prefill_gate = asyncio.Event()
+    first = asyncio.create_task(run(disp, [1, 2], 3))  # holds the only prefill slot
+    while not p1.prefilled:
+        await asyncio.sleep(0.001)
+    second = asyncio.create_task(
+        collect(disp.generate(GenRequest("s", (4, 5), SamplingParams(max_tokens=3))))
+    )
+    while disp.prefill_stage.waiting == 0:
+        await asyncio.sleep(0.001)
+    disp.pool.mark_failed("d1", "test: lost while the request waited")
+    p1.prefill_gate.set()
+    assert await first == expected([1, 2], 3)
+    with pytest.raises(RequestFailed) as info:
+        await second
+    assert info.value.status == 503, info.value.message
+    assert not any(r.startswith("s.") for r in d1.reserved), d1.reserved
