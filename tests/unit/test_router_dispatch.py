@@ -14,6 +14,7 @@ import grpc
 import pytest
 from mem_workers import MemWorker, collect, expected, make, run
 from splitserve.metric_names import ROUTER_RETRIES
+from splitserve.roles import SWITCHING_METADATA
 from splitserve.sampling import SamplingParams
 from splitserve_worker.router.config import (
     CostModelConfig,
@@ -21,7 +22,7 @@ from splitserve_worker.router.config import (
     QueueConfig,
     TimeoutConfig,
 )
-from splitserve_worker.router.dispatch import Dispatcher, GenRequest
+from splitserve_worker.router.dispatch import MAX_SWITCH_MOVES, Dispatcher, GenRequest
 from splitserve_worker.router.failures import RequestFailed, Stale
 
 pytestmark = pytest.mark.unit
@@ -380,3 +381,27 @@ async def test_a_request_whose_workers_go_while_it_waits_for_a_prefill_slot_ends
         await second
     assert info.value.status == 503, info.value.message
     assert not any(r.startswith("s.") for r in d1.reserved), d1.reserved
+
+
+class AlwaysSwitching(MemWorker):
+    """Says at every Generate that it is switching its role, and is back at its next
+    Health answer."""
+
+    async def generate(self, request_id: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        self.generated.append((request_id, (), 0))
+        trailing = grpc.aio.Metadata((SWITCHING_METADATA, "decode"))
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), trailing, "switching", None
+        )
+        yield  # an async generator, as Generate is
+
+
+async def test_a_request_moves_off_switching_workers_at_most_max_switch_moves_times() -> None:
+    b1 = AlwaysSwitching("b1", "both")
+    disp = await make([b1], health_interval_s=0.01)
+    with pytest.raises(RequestFailed) as info:
+        await run(disp, [1, 2], 3)
+    assert info.value.status == 503 and "kept switching roles" in info.value.message
+    # each move counted once; the one past the bound ends the request instead
+    assert retries(disp, "role_switch") == MAX_SWITCH_MOVES
+    assert len(b1.generated) == MAX_SWITCH_MOVES + 1
