@@ -405,3 +405,14 @@ async def test_a_request_moves_off_switching_workers_at_most_max_switch_moves_ti
     # each move counted once; the one past the bound ends the request instead
     assert retries(disp, "role_switch") == MAX_SWITCH_MOVES
     assert len(b1.generated) == MAX_SWITCH_MOVES + 1
+
+
+async def test_a_remote_request_that_ran_in_one_attempt_is_offered_to_the_guard() -> None:
+    # the guard re-runs a sampled disaggregated request locally, to compare its tokens;
+    # every one is sampled here, so the request's one remote Generate is followed by the
+    # guard's local one on the same decode worker
+    p1, d1 = MemWorker("p1", "prefill"), MemWorker("d1", "decode")
+    guard = GuardConfig(sample_share=1.0, min_interval_s=0.001)
+    disp = await make([p1, d1], disaggregation=REMOTE, guard=guard)
+    assert await run(disp, [3, 4], 3) == expected([3, 4], 3)
+    assert d1.expect_remote == [True, False]
