@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
-from mem_workers import MemWorker, collect, expected, make, run
+from mem_workers import MemWorker, collect, expected, make, rpc_error, run
 from splitserve.metric_names import ROUTER_RETRIES
 from splitserve.roles import SWITCHING_METADATA
 from splitserve.sampling import SamplingParams
@@ -416,3 +416,24 @@ async def test_a_remote_request_that_ran_in_one_attempt_is_offered_to_the_guard(
     disp = await make([p1, d1], disaggregation=REMOTE, guard=guard)
     assert await run(disp, [3, 4], 3) == expected([3, 4], 3)
     assert d1.expect_remote == [True, False]
+
+
+class FailsResumedPrefills(MemWorker):
+    """A prefill worker that breaks on every attempt after a request's first."""
+
+    async def prefill(self, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        if not request_id.endswith(".0"):
+            self.prefilled.append(request_id)
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "prefill broke")
+        return await super().prefill(request_id, *args, **kwargs)
+
+
+async def test_a_prefill_failing_after_tokens_counts_as_a_prefill_failure_not_a_migration() -> None:
+    # d1 breaks mid-stream (a migration); the resumed attempt's prefill fails on p1 (a
+    # prefill failure, though tokens were already produced); p2 and d2 finish it
+    p1, p2 = FailsResumedPrefills("p1", "prefill"), MemWorker("p2", "prefill")
+    d1, d2 = MemWorker("d1", "decode"), MemWorker("d2", "decode")
+    d1.fail_generate_after = 2
+    disp = await make([p1, p2, d1, d2], disaggregation=REMOTE, guard=GuardConfig(enabled=False))
+    assert await run(disp, [7, 8, 9], 6) == expected([7, 8, 9], 6)
+    assert (retries(disp, "migrate"), retries(disp, "prefill_failed")) == (1.0, 1.0)
