@@ -272,7 +272,7 @@ def run_mutant(m: Mutant, copy: Path, timeout: float) -> Outcome:
         return Outcome(m, False, "survived", diff)
     if result.test_outcome is TestOutcome.INCOMPETENT:
         return Outcome(m, True, "incompetent", diff)
-    timed_out = "timeout" in (result.output or "").lower()
+    timed_out = (result.output or "").strip() == "timeout"  # what Cosmic Ray says then
     return Outcome(m, True, "timeout" if timed_out else "killed", diff)
 
 
