@@ -437,3 +437,16 @@ async def test_a_prefill_failing_after_tokens_counts_as_a_prefill_failure_not_a_
     disp = await make([p1, p2, d1, d2], disaggregation=REMOTE, guard=GuardConfig(enabled=False))
     assert await run(disp, [7, 8, 9], 6) == expected([7, 8, 9], 6)
     assert (retries(disp, "migrate"), retries(disp, "prefill_failed")) == (1.0, 1.0)
+
+
+async def test_a_request_every_worker_already_failed_ends_502_naming_the_last_error() -> None:
+    # b1 refused it, and is back in the pool at its next Health answer, the same worker:
+    # no worker is left that has not failed it, so a 502 saying why (not a 503)
+    b1 = MemWorker("b1", "both")
+    b1.fail_generate_after, b1.fail_code = 0, grpc.StatusCode.ABORTED
+    disp = await make([b1], health_interval_s=0.01, queues=QueueConfig(max_wait_s=30))
+    with pytest.raises(RequestFailed) as info:
+        await run(disp, [1, 2], 3)
+    assert info.value.status == 502, info.value.message
+    assert "b1 already failed it" in info.value.message
+    assert "last error" in info.value.message, info.value.message
