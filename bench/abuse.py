@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from router_ready import wait_healthy
 from splitserve.roles import Role
 from splitserve_worker.commands.up import WorkerProcs
 
@@ -201,20 +202,6 @@ def reset_peak(pid: int) -> None:
     """Start ``pid``'s peak resident memory from now (where the kernel allows it)."""
     with contextlib.suppress(OSError):
         Path(f"/proc/{pid}/clear_refs").write_text("5")
-
-
-async def wait_healthy(base: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(timeout=5) as c:
-        while time.monotonic() < deadline:
-            try:
-                r = await c.get(f"{base}/health")
-                if r.status_code == 200 and all(w["healthy"] for w in r.json()["workers"]):
-                    return
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.2)
-    raise SystemExit(f"the router at {base} did not become healthy in {timeout:g} s")
 
 
 async def held_blocks(addresses: list[str], token: str, timeout: float = 30) -> int:

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from router_ready import wait_healthy
 from splitserve.roles import Role
 from splitserve_worker.commands.up import WorkerProcs
 
@@ -174,20 +175,6 @@ def start_router(
 
     threading.Thread(target=echo, daemon=True).start()
     return proc
-
-
-async def wait_healthy(base: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(timeout=5) as c:
-        while time.monotonic() < deadline:
-            try:
-                r = await c.get(f"{base}/health")
-                if r.status_code == 200 and all(w["healthy"] for w in r.json()["workers"]):
-                    return
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.2)
-    raise SystemExit(f"the router at {base} did not become healthy in {timeout:g} s")
 
 
 @dataclass

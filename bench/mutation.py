@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PLANNER_TESTS = (
     "tests/unit/test_planner_core.py",
     "tests/unit/test_planner_edges.py",
+    "tests/unit/test_planner_flex.py",
     "tests/unit/test_planner_learning.py",
     "tests/unit/test_planner_stability.py",
     "tests/unit/test_planner_config.py",
@@ -54,6 +55,7 @@ PLANNER_TESTS = (
 RENDER_TESTS = (
     "tests/unit/test_operator_render.py",
     "tests/unit/test_operator_render_edges.py",
+    "tests/unit/test_operator_render_flex.py",
     "tests/unit/test_operator_render_objects.py",
     "tests/unit/test_operator_images.py",
 )
@@ -121,13 +123,20 @@ class Mutant:
     tests: tuple[str, ...]
 
 
+NOT_MADE = "not-made"
+"""A mutation Cosmic Ray failed to apply: left out of the score, listed in the report."""
+UNSCORED = ("no-mutation", NOT_MADE)
+
+
 @dataclass(frozen=True)
 class Outcome:
     mutant: Mutant
     killed: bool
     how: str
-    """killed, survived, timeout, incompetent (the mutant does not even import)."""
+    """killed, survived, timeout, incompetent (the mutant does not even import), or one
+    of :data:`UNSCORED`."""
     diff: str
+    """Cosmic Ray's diff of the mutant (of one not made: the last line of its error)."""
 
 
 def _skipped(operator: str) -> bool:
@@ -255,12 +264,15 @@ def run_mutant(m: Mutant, copy: Path, timeout: float) -> Outcome:
     if result.worker_outcome is WorkerOutcome.NO_TEST:
         return Outcome(m, True, "no-mutation", diff)
     if result.worker_outcome is WorkerOutcome.EXCEPTION:
-        raise RuntimeError(f"Cosmic Ray failed on {m}: {result.output}")
+        # Cosmic Ray could not make this one (its ExceptionReplacer fails on some
+        # ``except (A, B)`` tuples): nothing was tested; the report names it apart
+        lines = (result.output or "").strip().splitlines()
+        return Outcome(m, True, NOT_MADE, lines[-1] if lines else "")
     if result.test_outcome is TestOutcome.SURVIVED:
         return Outcome(m, False, "survived", diff)
     if result.test_outcome is TestOutcome.INCOMPETENT:
         return Outcome(m, True, "incompetent", diff)
-    timed_out = "timeout" in (result.output or "").lower()
+    timed_out = (result.output or "").strip() == "timeout"  # what Cosmic Ray says then
     return Outcome(m, True, "timeout" if timed_out else "killed", diff)
 
 
@@ -356,8 +368,12 @@ def load(path: Path) -> list[Outcome]:
 
 
 def report(outcomes: Sequence[Outcome]) -> None:
-    real = [o for o in outcomes if o.how != "no-mutation"]
+    real = [o for o in outcomes if o.how not in UNSCORED]
     survivors = [o for o in real if not o.killed]
+    for o in outcomes:
+        if o.how == NOT_MADE:
+            print(f"not made by Cosmic Ray (not scored): {o.mutant.path}:{o.mutant.line} "
+                  f"{o.mutant.operator.rsplit('/', 1)[-1]}: {o.diff}")  # fmt: skip
     print("\nsurvivors:")
     for o in survivors:
         before, after = changed_lines(o.diff)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,10 @@ def test_no_secret_in_any_log_line(tiny_model_path: Path, stack_factory: Any, ki
         assert not any(o.hung for o in outs)
         bodies.extend(str(o.error_body) for o in outs if o.error_body)
         assert any(o.error for o in outs), "losing the only decode worker failed nothing"
-        await asyncio.sleep(1.0)  # let the router log what it saw
+        # the router's log reaches us through a pipe: wait until it told of the failures
+        deadline = time.monotonic() + 30
+        while not any("failed" in line for line in s.logs()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     asyncio.run(go())
     lines = s.logs()

@@ -28,8 +28,11 @@ TP_WORKER, OTHER = 0, 1
 def test_a_killed_rank_takes_its_worker_down_and_requests_finish_elsewhere(
     stack_factory: Any, kit: Any, tiny_model_path: Path
 ) -> None:
+    # the only prefill-capable worker goes: a request waiting for a prefill slot then is
+    # refused (a clear error, allowed here) after a short wait rather than the default
+    router_config = {**kit.router_config, "queues": {"max_wait_s": 5.0}}
     s = stack_factory(tiny_model_path, [Role.BOTH, Role.DECODE],
-                      tensor_parallel={Role.BOTH: 2})  # fmt: skip
+                      tensor_parallel={Role.BOTH: 2}, router_config=router_config)  # fmt: skip
     worker = s.procs.procs[TP_WORKER].proc
     (rank1,) = child_pids(worker.pid)
 

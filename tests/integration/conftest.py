@@ -38,10 +38,12 @@ T = TypeVar("T")
 
 def wait_for(
     predicate: Callable[[], T],
-    timeout: float = 10.0,
+    timeout: float = 30.0,
     interval: float = 0.05,
     message: str = "condition",
 ) -> T:
+    """``predicate()`` once it is truthy. ``timeout`` only bounds a failure: the operator's
+    chain of watch events and writes takes well over 10 s on a loaded two-core machine."""
     deadline = time.monotonic() + timeout
     last: T = predicate()
     while not last:

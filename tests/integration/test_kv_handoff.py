@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import pytest
 from clock_kit import FakeClock
+from kv_kit import until
 from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.client import WorkerClient
 from splitserve_worker.kv import tcp_wire
@@ -136,8 +137,15 @@ def test_expired_lease_frees_every_reserved_block(tiny_model_path: Path) -> None
             assert h.free_blocks == total - 7 - 63 and h.leases == 2
             gen = asyncio.ensure_future(collect(d.generate("a", prompt_of(100), SP,
                                                            expect_remote_kv=True)))  # fmt: skip
+            handoff = ws[0].service.handoff
+            assert handoff is not None
+            # the clock moves only once the Generate waits on the lease: one arriving
+            # after the expiry finds no reservation (NOT_FOUND), another outcome
+            await until(lambda: handoff.awaiting_commit("a") or gen.done(), timeout=60,
+                        what="the Generate to wait for its Commit")  # fmt: skip
+            assert not gen.done()
             clock.advance(9)
-            assert await ws[0].service.handoff.reap_once() == 0  # type: ignore[union-attr]
+            assert await handoff.reap_once() == 0
             assert (await d.health()).leases == 2
             clock.advance(1)
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -345,7 +353,10 @@ def test_events_stream_prefix_cache_stores(tiny_model_path: Path) -> None:
                         return
 
             task = asyncio.ensure_future(listen())
-            await asyncio.sleep(0.3)
+            # events carry no replay: the prompt runs once the stream is subscribed
+            hub = ws[0].service.events
+            await until(lambda: hub.subscribers == 1 or task.done(), timeout=60,
+                        what="the Events stream to subscribe")  # fmt: skip
             await collect(b.generate("e", prompt, SP))
             await asyncio.wait_for(task, 10)
             assert want <= stored

@@ -263,6 +263,7 @@ def test_a_stopping_worker_lets_running_streams_finish_and_refuses_new_calls(
     so the router sends it elsewhere; the worker then exits by itself."""
     proc = spawn(tiny_model_path, "both", "--drain-seconds", "60")
     want = 160
+    stopping = "stopping: running calls have 60 s to finish"
 
     async def go() -> tuple[list[int], grpc.StatusCode | None]:
         c = WorkerClient(proc.address, TOKEN)
@@ -273,7 +274,10 @@ def test_a_stopping_worker_lets_running_streams_finish_and_refuses_new_calls(
             got += list(chunk.token_ids)
             if refused is None and len(got) >= 4:
                 proc.popen.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.5)
+                # the worker says it stops, then stops taking calls: wait for its word
+                deadline = time.monotonic() + 60
+                while stopping not in proc.lines and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
                 try:
                     await collect(c.generate("drain-2", prompt_of(8), sp))
                 except grpc.aio.AioRpcError as e:
@@ -286,6 +290,6 @@ def test_a_stopping_worker_lets_running_streams_finish_and_refuses_new_calls(
         assert len(got) == want  # every token of the running stream came
         assert refused == grpc.StatusCode.UNAVAILABLE
         assert proc.popen.wait(timeout=30) == 0  # long before the 60 s: nothing left to wait on
-        assert "stopping: running calls have 60 s to finish" in proc.lines
+        assert stopping in proc.lines
     finally:
         proc.kill()

@@ -56,8 +56,12 @@ def test_create_makes_every_object_owned_and_reports_status(
     assert condition(body, "Ready")["reason"] == "PoolsNotReady"
     assert condition(body, "Progressing")["status"] == "True"
     assert condition(body, "Degraded")["status"] == "False"
-    events = kube.objects("v1/events", "default")
-    assert any(e["reason"] == "Created" and e["involvedObject"]["uid"] == uid for e in events)
+    # the Event is recorded after the status is written: wait for it, not for the status
+    wait_for(
+        lambda: any(e["reason"] == "Created" and e["involvedObject"]["uid"] == uid
+                    for e in kube.objects("v1/events", "default")),
+        message="the Created Event",
+    )  # fmt: skip
 
 
 def test_ready_when_every_pool_reports_ready(
@@ -168,10 +172,12 @@ def test_an_edited_deployment_is_restored(
     after = deployment(kube_client, "demo-decode")
     assert after is not None
     assert after["metadata"]["labels"]["team"] == "kept"  # others' labels are left alone
-    events = kube.objects("v1/events", "default")
-    assert any(
-        e["reason"] == "Updated" and "Deployment/demo-decode" in e["message"] for e in events
-    )
+    # the Event follows the repair (and the status write): wait for it
+    wait_for(
+        lambda: any(e["reason"] == "Updated" and "Deployment/demo-decode" in e["message"]
+                    for e in kube.objects("v1/events", "default")),
+        message="the Updated Event naming the Deployment",
+    )  # fmt: skip
 
 
 def test_a_deleted_deployment_is_recreated(

@@ -70,7 +70,7 @@ def test_prometheus_unreachable_holds_and_says_so(
     assert status["autoscaling"]["metricsAvailable"] is False
     assert status["autoscaling"]["pools"]["decode"]["reason"] == "MetricsUnavailable"
     # several ticks later: nothing moved, one warning only
-    wait_for(lambda: len(_warnings(kube, "MetricsUnavailable")) >= 1, timeout=10)
+    wait_for(lambda: len(_warnings(kube, "MetricsUnavailable")) >= 1)
     first = _service(kube_client)["status"]["autoscaling"]["lastTickTime"]
     wait_for(
         lambda: _service(kube_client)["status"]["autoscaling"]["lastTickTime"] != first,

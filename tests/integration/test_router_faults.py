@@ -7,6 +7,7 @@ first tokens), so they land mid-stream however fast the machine decodes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -84,9 +85,22 @@ class Stack:
     def by_pid(self, pid: int) -> WorkerEndpoint:
         return next(ep for ep in self.endpoints if self.pid(ep) == pid)
 
-    def router(self, tokenizer: Any, eps: list[WorkerEndpoint], **cfg: Any) -> RouterThread:
+    @contextlib.contextmanager
+    def router(self, tokenizer: Any, eps: list[WorkerEndpoint], **cfg: Any) -> Iterator[str]:
+        """A router over ``eps``, once it has seen every one of them healthy: a router
+        ready as soon as one decode worker answers may not yet know a worker a test then
+        kills, and would route around it instead of failing over from it."""
         config = RouterConfig(model_name="tiny", worker_token=self.token, **cfg)
-        return RouterThread(RouterService(config, tokenizer, StaticDiscovery(eps)))
+        with RouterThread(RouterService(config, tokenizer, StaticDiscovery(eps))) as base:
+            want = {e.name for e in eps}
+            deadline = time.monotonic() + 120
+            seen: set[str] = set()
+            while seen != want:
+                assert time.monotonic() < deadline, f"the router saw {seen} of {want} healthy"
+                time.sleep(0.05)
+                seen = {w["name"] for w in httpx.get(f"{base}/health").json()["workers"]
+                        if w["healthy"]}  # fmt: skip
+            yield base
 
     def index(self, ep: WorkerEndpoint) -> int:
         return self.endpoints.index(ep)
@@ -107,6 +121,17 @@ class Stack:
             return {ep.name: await one(ep) for ep in eps}
 
         return asyncio.run(all_())
+
+    def settled(
+        self, eps: list[WorkerEndpoint], want: dict[str, tuple[int, int]], timeout: float = 30
+    ) -> dict[str, tuple[int, int]]:
+        """:meth:`free_blocks` once it equals ``want``, or as it is at ``timeout``."""
+        deadline = time.monotonic() + timeout
+        now = self.free_blocks(eps)
+        while now != want and time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = self.free_blocks(eps)
+        return now
 
 
 @pytest.fixture
@@ -165,8 +190,9 @@ def test_prefill_worker_killed_retries_on_another(
         assert metric(base, "splitserve_router_retries_total", "prefill_failed") == 1
         health = {w["name"]: w["healthy"] for w in httpx.get(f"{base}/health").json()["workers"]}
         assert health[dead.name] is False
-        # the decode worker holds nothing for the failed attempt
-        assert st.free_blocks(decode) == before
+        # the decode worker holds nothing for the failed attempt (the router cancels
+        # its reservation in the background: wait for that, then compare)
+        assert st.settled(decode, before) == before
 
 
 def test_decode_lost_before_first_token_retries_then_clear_error(
@@ -283,9 +309,4 @@ def test_client_disconnect_frees_kv_on_every_worker(stack_factory: Any, tokenize
             for n in (1, 2):
                 with st.holds.armed(pids, "stream"):
                     asyncio.run(hang_up_mid_stream(base, n))
-        deadline = time.monotonic() + 20
-        now = st.free_blocks(st.endpoints)
-        while now != before and time.monotonic() < deadline:
-            time.sleep(0.2)
-            now = st.free_blocks(st.endpoints)
-        assert now == before
+        assert st.settled(st.endpoints, before) == before

@@ -43,8 +43,11 @@ ROUTER_CONFIG: dict[str, Any] = {
     "max_model_len": 2048,
     # prefill remotely whenever a prefill worker exists, so handoffs are what is tested
     "cost": {"short_prompt_tokens": 0, "prefill_tokens_per_s": 1.0e7},
-    # with no worker left, a request is refused after this wait rather than the default 30 s
-    "queues": {"max_wait_s": 5.0},
+    # the default wait for a slot: with one prefill worker of two killed, a loaded machine
+    # takes more than a few seconds to work 50 prompts through the other, and a queue that
+    # refused them then would be shedding load, not the fault under test (a scenario's
+    # own client bound is what catches a request that hangs)
+    "queues": {"max_wait_s": 30.0},
     "timeouts": {
         "connect_s": 2.0,
         "prefill_s": 10.0,

@@ -194,6 +194,22 @@ def test_lease_lifecycle_and_expiry() -> None:
     assert len(table) == 0
 
 
+def test_a_lease_needs_a_positive_ttl_and_spans_inside_its_reservation() -> None:
+    table = LeaseTable(Clock())
+    for ttl in (0, -1, -0.5):
+        with pytest.raises(ValueError, match="must be > 0"):
+            table.add(f"r{ttl}", [1], num_tokens=4, num_layers=4, ttl=ttl, backend="tcp")
+    lease = table.add("r", [1], num_tokens=4, num_layers=4, ttl=5, backend="tcp")
+    with pytest.raises(LeaseError, match=r"layer 4 out of range 0\.\.3$"):
+        table.add_span(lease, 4, 0, 1, 1)
+    for start, count in ((-1, 1), (0, -1), (2, 3)):
+        with pytest.raises(LeaseError, match="out of range for a 4-token reservation"):
+            table.add_span(lease, 0, start, count, 1)
+    table.add_span(lease, 0, 4, 0, 0)  # an empty span at the end is no error
+    table.add_span(lease, 0, 0, 4, 64)
+    assert lease.layer_tokens == [4, 0, 0, 0]
+
+
 def test_a_lease_is_found_by_its_id_while_it_lives() -> None:
     # what a tcp KV connection names; gone with the lease, whichever way it goes
     clock = Clock()

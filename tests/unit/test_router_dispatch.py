@@ -6,16 +6,23 @@ tests/integration/test_router_faults.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import pytest
-from mem_workers import MemWorker, collect, expected, make, run
+from mem_workers import MemWorker, collect, expected, make, rpc_error, run
 from splitserve.metric_names import ROUTER_RETRIES
+from splitserve.roles import SWITCHING_METADATA
 from splitserve.sampling import SamplingParams
-from splitserve_worker.router.config import CostModelConfig, GuardConfig, QueueConfig
-from splitserve_worker.router.dispatch import Dispatcher, GenRequest
+from splitserve_worker.router.config import (
+    CostModelConfig,
+    GuardConfig,
+    QueueConfig,
+    TimeoutConfig,
+)
+from splitserve_worker.router.dispatch import MAX_SWITCH_MOVES, Dispatcher, GenRequest
 from splitserve_worker.router.failures import RequestFailed, Stale
 
 pytestmark = pytest.mark.unit
@@ -137,17 +144,14 @@ async def test_a_request_no_worker_can_ever_hold_fails_at_once_saying_why() -> N
     assert small.generated == []
 
 
-async def test_a_request_waits_for_a_worker_that_is_down_and_comes_back() -> None:
+async def test_a_request_waits_for_its_only_worker_to_come_back_restarted() -> None:
+    # the only worker breaks mid-stream and restarts: the request, admitted, finds no
+    # worker until a Health answer brings the new instance back, and waits for it
     b1 = MemWorker("b1", "both")
+    b1.fail_generate_after, b1.restart_after_failing = 2, True
     disp = await make([b1], health_interval_s=0.05, queues=QueueConfig(max_wait_s=30))
-    b1.fail_health = True
-    disp.pool.mark_failed("b1", "test: down for a while")
-    task = asyncio.create_task(run(disp, [1, 2], 3))
-    for _ in range(100):
-        await asyncio.sleep(0)
-    assert not task.done(), "refused at once: it should wait for a worker to come back"
-    b1.fail_health = False
-    assert await task == expected([1, 2], 3)
+    assert await run(disp, [1, 2], 4) == expected([1, 2], 4)
+    assert [g[0] for g in b1.generated] == ["r.0", "r.1"]
 
 
 async def test_a_finished_request_leaves_no_assignment_and_cancels_nothing() -> None:
@@ -290,3 +294,159 @@ async def test_a_request_that_ends_leaves_the_others_on_its_worker_assigned() ->
     assert [v.assigned for v in disp.pool.snapshot()] == [1]
     assert len(await collect(long)) == 19
     assert [v.assigned for v in disp.pool.snapshot()] == [0]
+
+
+async def test_queue_capacity_is_the_slots_of_every_worker_of_the_role() -> None:
+    ws = [MemWorker("p1", "prefill"), MemWorker("p2", "prefill")]
+    ws += [MemWorker(f"d{i}", "decode") for i in range(3)]
+    queues = QueueConfig(prefill_slots_per_worker=3, decode_slots_per_worker=5)
+    disp = await make(ws, disaggregation=REMOTE, queues=queues)
+    assert (disp.prefill_stage.capacity, disp.decode_stage.capacity) == (2 * 3, 3 * 5)
+
+
+async def test_prompt_logprobs_are_asked_of_the_first_attempt_only() -> None:
+    # scored once, with the first token: the attempt that resumes a request mid-stream
+    # does not score its prompt (the request's prompt plus the tokens so far) again
+    b1, b2 = MemWorker("b1", "both"), MemWorker("b2", "both")
+    b1.fail_generate_after = 3
+    disp = await make([b1, b2])
+    sampling = SamplingParams(max_tokens=6, prompt_logprobs=2)
+    assert await run(disp, [7, 8, 9], 6, sampling) == expected([7, 8, 9], 6)
+    (first,), (resumed,) = b1.generate_sampling, b2.generate_sampling
+    assert (first.prompt_logprobs, resumed.prompt_logprobs) == (2, None)
+
+
+class Full(MemWorker):
+    """Healthy, big enough for any prompt here, and with no block free now."""
+
+    async def health(self, timeout: float) -> Any:
+        h = await super().health(timeout)
+        h.free_blocks = 0
+        return h
+
+
+async def test_a_request_no_worker_has_room_for_within_max_wait_ends_503() -> None:
+    # the only worker is full now, and may free up: the request waits max_wait_s for
+    # room, then a 503 (try again later), not a 502 (a failure on a worker)
+    b1 = Full("b1", "both")
+    disp = await make([b1], queues=QueueConfig(max_wait_s=0.2))
+    with pytest.raises(RequestFailed) as info:
+        await run(disp, [1, 2], 3)
+    assert info.value.status == 503
+    assert "(1 workers known, 0 failed this request)" in info.value.message, info.value.message
+    assert b1.generated == []
+
+
+class SilentAfterFirst(MemWorker):
+    """Streams one token, then nothing, for ever."""
+
+    async def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        async for chunk in super().generate(*args, **kwargs):
+            yield chunk
+            await asyncio.Event().wait()
+
+
+async def test_a_stream_silent_after_its_first_token_is_judged_by_the_inter_token_timeout() -> None:
+    # first_token_s bounds only the wait for the first token; past it a silence of
+    # inter_token_s moves the request (here: after an hour, it would wait the hour)
+    b1, b2 = SilentAfterFirst("b1", "both"), MemWorker("b2", "both")
+    disp = await make([b1, b2])
+    timeouts = TimeoutConfig(health_interval_s=60, first_token_s=3600, inter_token_s=2)
+    disp.config = dataclasses.replace(disp.config, timeouts=timeouts)
+    got = await asyncio.wait_for(run(disp, [4, 5], 5), 60)
+    assert got == expected([4, 5], 5)
+    assert [g[0] for g in b1.generated] == ["r.0"] and [g[0] for g in b2.generated] == ["r.1"]
+    assert retries(disp, "migrate") == 1
+
+
+async def test_a_request_whose_workers_go_while_it_waits_for_a_prefill_slot_ends_503() -> None:
+    # planned onto d1, the request waits for p1's one slot; d1 goes meanwhile and no
+    # other decode worker exists: planned again (nothing fits), it ends 503 saying so
+    p1, d1 = MemWorker("p1", "prefill"), MemWorker("d1", "decode")
+    disp = await make([p1, d1], disaggregation=REMOTE,
+                      queues=QueueConfig(prefill_slots_per_worker=1, max_wait_s=0.2))  # fmt: skip
+    p1.prefill_gate = asyncio.Event()
+    first = asyncio.create_task(run(disp, [1, 2], 3))  # holds the only prefill slot
+    while not p1.prefilled:
+        await asyncio.sleep(0.001)
+    second = asyncio.create_task(
+        collect(disp.generate(GenRequest("s", (4, 5), SamplingParams(max_tokens=3))))
+    )
+    while disp.prefill_stage.waiting == 0:
+        await asyncio.sleep(0.001)
+    disp.pool.mark_failed("d1", "test: lost while the request waited")
+    p1.prefill_gate.set()
+    assert await first == expected([1, 2], 3)
+    with pytest.raises(RequestFailed) as info:
+        await second
+    assert info.value.status == 503, info.value.message
+    assert not any(r.startswith("s.") for r in d1.reserved), d1.reserved
+
+
+class AlwaysSwitching(MemWorker):
+    """Says at every Generate that it is switching its role, and is back at its next
+    Health answer."""
+
+    async def generate(self, request_id: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        self.generated.append((request_id, (), 0))
+        trailing = grpc.aio.Metadata((SWITCHING_METADATA, "decode"))
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), trailing, "switching", None
+        )
+        yield  # an async generator, as Generate is
+
+
+async def test_a_request_moves_off_switching_workers_at_most_max_switch_moves_times() -> None:
+    b1 = AlwaysSwitching("b1", "both")
+    disp = await make([b1], health_interval_s=0.01)
+    with pytest.raises(RequestFailed) as info:
+        await run(disp, [1, 2], 3)
+    assert info.value.status == 503 and "kept switching roles" in info.value.message
+    # each move counted once; the one past the bound ends the request instead
+    assert retries(disp, "role_switch") == MAX_SWITCH_MOVES
+    assert len(b1.generated) == MAX_SWITCH_MOVES + 1
+
+
+async def test_a_remote_request_that_ran_in_one_attempt_is_offered_to_the_guard() -> None:
+    # the guard re-runs a sampled disaggregated request locally, to compare its tokens;
+    # every one is sampled here, so the request's one remote Generate is followed by the
+    # guard's local one on the same decode worker
+    p1, d1 = MemWorker("p1", "prefill"), MemWorker("d1", "decode")
+    guard = GuardConfig(sample_share=1.0, min_interval_s=0.001)
+    disp = await make([p1, d1], disaggregation=REMOTE, guard=guard)
+    assert await run(disp, [3, 4], 3) == expected([3, 4], 3)
+    assert d1.expect_remote == [True, False]
+
+
+class FailsResumedPrefills(MemWorker):
+    """A prefill worker that breaks on every attempt after a request's first."""
+
+    async def prefill(self, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        if not request_id.endswith(".0"):
+            self.prefilled.append(request_id)
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "prefill broke")
+        return await super().prefill(request_id, *args, **kwargs)
+
+
+async def test_a_prefill_failing_after_tokens_counts_as_a_prefill_failure_not_a_migration() -> None:
+    # d1 breaks mid-stream (a migration); the resumed attempt's prefill fails on p1 (a
+    # prefill failure, though tokens were already produced); p2 and d2 finish it
+    p1, p2 = FailsResumedPrefills("p1", "prefill"), MemWorker("p2", "prefill")
+    d1, d2 = MemWorker("d1", "decode"), MemWorker("d2", "decode")
+    d1.fail_generate_after = 2
+    disp = await make([p1, p2, d1, d2], disaggregation=REMOTE, guard=GuardConfig(enabled=False))
+    assert await run(disp, [7, 8, 9], 6) == expected([7, 8, 9], 6)
+    assert (retries(disp, "migrate"), retries(disp, "prefill_failed")) == (1.0, 1.0)
+
+
+async def test_a_request_every_worker_already_failed_ends_502_naming_the_last_error() -> None:
+    # b1 refused it, and is back in the pool at its next Health answer, the same worker:
+    # no worker is left that has not failed it, so a 502 saying why (not a 503)
+    b1 = MemWorker("b1", "both")
+    b1.fail_generate_after, b1.fail_code = 0, grpc.StatusCode.ABORTED
+    disp = await make([b1], health_interval_s=0.01, queues=QueueConfig(max_wait_s=30))
+    with pytest.raises(RequestFailed) as info:
+        await run(disp, [1, 2], 3)
+    assert info.value.status == 502, info.value.message
+    assert "b1 already failed it" in info.value.message
+    assert "last error" in info.value.message, info.value.message

@@ -48,6 +48,11 @@ class EventHub:
                         q.put_nowait(msg)
             await asyncio.sleep(POLL_S)
 
+    @property
+    def subscribers(self) -> int:
+        """Events streams open now: each gets every event drained from here on."""
+        return len(self._subs)
+
     async def subscribe(self) -> AsyncIterator[pb.KVEvent]:
         q: asyncio.Queue[pb.KVEvent | None] = asyncio.Queue()
         self._subs.add(q)

@@ -82,6 +82,8 @@ class DecodeHandoff:
         """Longest lease a Reserve gets, whatever it asks for."""
         self.address = address
         self._committed: dict[str, _Awaited] = {}
+        self._awaiting: set[str] = set()
+        """Request ids whose Generate is waiting for their Commit."""
         self._busy: dict[str, int] = {}
         self._background: set[asyncio.Future[int]] = set()
         self._bytes = metrics.counter(names.KV_TRANSFER_BYTES)
@@ -343,6 +345,11 @@ class DecodeHandoff:
         return bad
 
     # ---- Generate with remote KV ----
+    def awaiting_commit(self, request_id: str) -> bool:
+        """Whether a Generate for ``request_id`` is waiting for its Commit (it ends at the
+        Commit, or when the reservation is dropped or its lease runs out)."""
+        return request_id in self._awaiting
+
     async def admit(
         self, request_id: str, prompt: list[int], sampling: Any
     ) -> tuple[Lease, AsyncIterator[Any]]:
@@ -352,17 +359,26 @@ class DecodeHandoff:
         except LeaseError as e:
             raise RpcFailure(grpc.StatusCode.NOT_FOUND, str(e)) from None
         ev = self._committed.get(request_id)
-        remaining = max(0.0, lease.expires_at - self.leases.now())
         expired = RpcFailure(
             grpc.StatusCode.DEADLINE_EXCEEDED,
             f"request {request_id!r}: no Commit before the lease expired",
         )
         if ev is not None and lease.state is State.RESERVED:
+            self._awaiting.add(request_id)
             try:
-                await asyncio.wait_for(ev.wait(), timeout=remaining)
-            except TimeoutError:
-                await self.drop(request_id, "lease_expired")
-                raise expired from None
+                # the lease's clock decides, and a push that keeps arriving renews the
+                # lease: wait until the expiry as it stands then, not as it stood here
+                while not ev.is_set():
+                    remaining = lease.expires_at - self.leases.now()
+                    if remaining <= 0:
+                        await self.drop(request_id, "lease_expired")
+                        raise expired
+                    try:
+                        await asyncio.wait_for(ev.wait(), timeout=remaining)
+                    except TimeoutError:
+                        continue
+            finally:
+                self._awaiting.discard(request_id)
         lease_now = self.leases.pop(request_id)
         self._committed.pop(request_id, None)
         if ev is not None and ev.dropped == "lease_expired":  # by the reaper
