@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from splitserve_worker.parallel.collectives import RankGroup, RankLost
     from splitserve_worker.parallel.launch import SPEC_KEY, RankSpec, rank_device
     from splitserve_worker.parallel.sharded_load import layout_of, load_sharded
+    from splitserve_worker.server.rank_kv import RankReceiver, rank_compat
 
     store = dist.TCPStore("127.0.0.1", args.store_port, args.world, False,
                           timeout=datetime.timedelta(seconds=300))  # fmt: skip
@@ -45,7 +46,16 @@ def main(argv: list[str] | None = None) -> int:
         layout = layout_of(loaded.config, args.world, args.rank)
         group = RankGroup(store, args.rank, args.world, device, allreduce=spec.allreduce)
         config = EngineConfig(**{**spec.engine, "device": str(device)})
-        Follower(loaded, config, group, layout).serve()
+        follower = Follower(loaded, config, group, layout)
+        if spec.serve is None:
+            follower.serve()
+        else:  # a decode worker: this rank receives its own KV heads
+            receiver = RankReceiver(follower.pool, args.rank, args.store_port, spec.serve,
+                                    rank_compat(loaded, config))  # fmt: skip
+            try:
+                follower.serve(lambda step: receiver.handle(step, group))
+            finally:
+                receiver.close()
     except (ModelError, ValueError) as e:
         print(f"error: rank {args.rank}: {e}", file=sys.stderr, flush=True)
         return 2

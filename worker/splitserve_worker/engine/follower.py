@@ -9,6 +9,7 @@ hold the same blocks for the same sequences, each with its own heads.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -38,9 +39,16 @@ class Follower:
         self.stack = build_forward(loaded.model, config, dtype, device, group, layout)
         self.steps = 0
 
-    def serve(self) -> None:
+    @property
+    def pool(self) -> torch.Tensor:
+        """This rank's KV pool ``[layers, 2, blocks, block_size, its kv heads, head_dim]``."""
+        return self.stack.kv.pool
+
+    def serve(self, other: Callable[[object], bool] | None = None) -> None:
         """Run the leader's forwards until it says stop (or a rank is lost: raises
-        :class:`~splitserve_worker.parallel.collectives.RankLost`)."""
+        :class:`~splitserve_worker.parallel.collectives.RankLost`). ``other(step)`` takes
+        the steps that are not forwards (True: handled), such as a decode worker's KV
+        reservations."""
         runner = self.stack.runner
         while True:
             step = self.group.recv_step()
@@ -48,6 +56,8 @@ class Follower:
                 return
             if isinstance(step, ProbeAllReduce):
                 self.group.run_probe(step)
+                continue
+            if other is not None and other(step):
                 continue
             if not isinstance(step, ForwardStep):
                 sent = type(step).__name__

@@ -24,6 +24,7 @@ from splitserve.sampling import SamplingParams
 from splitserve.v1 import worker_pb2 as pb
 
 from splitserve_worker.client import WorkerClients
+from splitserve_worker.kv.head_split import open_split
 from splitserve_worker.kv.transport import (
     BackendContext,
     KVSender,
@@ -121,7 +122,10 @@ class PrefillRunner:
         backend_name = handle.kv_backend or "grpc"
         try:
             backend = await asyncio.to_thread(self.sender_backend, backend_name)
-            sender: KVSender = await asyncio.to_thread(backend.open, target_from_handle(handle))
+            heads = self.ctx.compat.kv_heads  # every head: the engine hands over whole layers
+            sender: KVSender = await asyncio.to_thread(
+                open_split, backend, target_from_handle(handle), range(heads), heads
+            )
         except (TransferError, ValueError, ImportError) as e:
             self._release_soon(handle, "prefill failed to open the push")
             raise RpcFailure(grpc.StatusCode.UNAVAILABLE, f"cannot push KV: {e}") from None
