@@ -8,6 +8,7 @@ refused at Reserve; the ranks' processes end with their worker."""
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 from splitserve.roles import Role
 from splitserve_worker.client import WorkerClient
 from splitserve_worker.commands.up import WorkerProcs
+from splitserve_worker.kv.tcp_wire import parse_metadata
 from splitserve_worker.router.discovery import WorkerEndpoint
 from stack_kit import (  # noqa: F401  (fixtures)
     ALWAYS_REMOTE,
@@ -36,6 +38,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TOKEN = secrets.token_hex(8)
 TP = {Role.PREFILL: 2, Role.DECODE: 1, Role.BOTH: 2}
 TP_DECODE = {Role.PREFILL: 1, Role.DECODE: 2}
+PIDS: dict[str, int] = {}
+"""Each worker's rank 0 process, by name (its other ranks are its children)."""
 
 
 def _start(model: Path, roles: list[Role], tp: dict[Role, int]) -> Any:
@@ -54,6 +58,7 @@ def tp_workers(tiny_model_path: Path) -> Iterator[dict[str, WorkerEndpoint]]:
         ranks = [c for wp in procs for c in child_pids(wp.proc.pid)]
         assert len(ranks) == 3  # one more rank each for p2, c2 and d2
         names = ["p2", "d1", "c2", "p1", "d2"]
+        PIDS.update(zip(names, (wp.proc.pid for wp in procs), strict=True))
         yield dict(zip(names, eps, strict=True))
     assert not [p for p in ranks if alive(p)]
 
@@ -125,3 +130,42 @@ def test_a_split_decode_pool_names_its_ranks_and_refuses_what_cannot_reach_them(
         assert (h2.free_blocks, h2.leases) == (free, 0)
 
     asyncio.run(go())
+
+
+def _tcp_peers(pid: int) -> set[int]:
+    """The remote ports of the established TCP connections process ``pid`` holds."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if f[3] == "01" and f[9] in inodes:  # ESTABLISHED
+            ports.add(int(f[2].split(":")[1], 16))
+    return ports
+
+
+def test_each_prefill_rank_pushes_its_heads_to_each_decode_rank_itself(
+    tp_workers: Any, tokenizer: Any, reference: list[list[int]]
+) -> None:
+    async def rank_ports() -> list[int]:
+        d2 = WorkerClient(tp_workers["d2"].address, TOKEN)
+        compat = (await d2.health()).compat
+        h = await d2.reserve("ports", 8, compat, kv_backend="tcp")
+        await d2.release("ports")
+        return [parse_metadata(r.backend_metadata)[0] for r in h.kv_ranks]
+
+    ports = asyncio.run(rank_ports())
+    with router(TOKEN, tokenizer, _stack(tp_workers, "p2d2"), disaggregation=ALWAYS_REMOTE,
+                kv_backend="tcp") as base:  # fmt: skip
+        assert complete(base, PROMPTS[0], stream=False) == reference[0]
+    rank0 = PIDS["p2"]
+    (rank1,) = child_pids(rank0)
+    # the pushes' connections stay pooled a while: who holds which shows who pushed
+    assert ports[0] in _tcp_peers(rank0) and ports[1] not in _tcp_peers(rank0)
+    assert ports[1] in _tcp_peers(rank1) and ports[0] not in _tcp_peers(rank1)

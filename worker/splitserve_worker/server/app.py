@@ -43,6 +43,7 @@ from splitserve_worker.server.handoff import DecodeHandoff
 from splitserve_worker.server.pod_labels import follow_role_label
 from splitserve_worker.server.prefill import PrefillRunner
 from splitserve_worker.server.rank_kv import RankKV, RankKVSpec
+from splitserve_worker.server.rank_push import RankPushes, RankPushSpec
 from splitserve_worker.server.role_switch import RoleState, RoleSwitcher
 from splitserve_worker.server.service import WorkerService, add_to_server
 from splitserve_worker.server.tcp_sink import start_tcp_server
@@ -111,12 +112,16 @@ async def start_worker(
         engine_config: Any = config.engine_config()
         ranked = None
         if tp > 1:
-            rank_kv = None
-            if config.serves_decode:  # every rank receives its own KV heads
-                rank_kv = RankKVSpec(config.host, config.kv_port, config.token, config.tls)
+            serve: list[Any] = []  # what every rank does besides forwards
+            if config.serves_decode:  # receives its own KV heads
+                serve.append(RankKVSpec(config.host, config.kv_port, config.token, config.tls))
+            if config.serves_prefill:  # pushes its own KV heads
+                serve.append(RankPushSpec(config.token, config.tls, config.kv_streams,
+                                          config.checksums, config.checksum_every,
+                                          config.transfer_timeout_s))  # fmt: skip
             ranked = await asyncio.to_thread(
                 start_ranked_engine, config.model, tp, engine_config, metrics,
-                allreduce=config.tp_allreduce, serve=rank_kv,
+                allreduce=config.tp_allreduce, serve=tuple(serve),
             )  # fmt: skip
             stack.callback(ranked.ranks.stop)
             ranked.ranks.on_lost(device.fail)
@@ -205,9 +210,14 @@ async def start_worker(
             )
         prefill = None
         if config.serves_prefill:
+            pushes = None
+            if tp > 1:
+                assert ranked is not None and engine.layout is not None
+                pushes = await asyncio.to_thread(RankPushes, engine.layout, ranked.ranks.store.port)
             prefill = PrefillRunner(
-                aengine, ctx, transfer_timeout_s=config.transfer_timeout_s, metrics=metrics
-            )
+                aengine, ctx, transfer_timeout_s=config.transfer_timeout_s, metrics=metrics,
+                ranks=pushes,
+            )  # fmt: skip
             stack.push_async_callback(prefill.close)
 
         events = EventHub(aengine)

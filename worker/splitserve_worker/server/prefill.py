@@ -39,6 +39,7 @@ from splitserve_worker.server.convert import (
     top_to_proto,
 )
 from splitserve_worker.server.errors import RpcFailure
+from splitserve_worker.server.rank_push import PushOrder, RankPushes
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,12 @@ class PrefillRunner:
         *,
         transfer_timeout_s: float,
         metrics: Metrics,
+        ranks: RankPushes | None = None,
     ) -> None:
+        """``ranks``: this worker's other tensor-parallel ranks, which push their own KV
+        heads when the decode worker's ranks can take them so (:mod:`.rank_push`)."""
         self.engine = engine
+        self.ranks = ranks
         self.ctx = ctx
         self.transfer_timeout_s = transfer_timeout_s
         self._senders: dict[str, SenderBackend] = {}
@@ -122,10 +127,12 @@ class PrefillRunner:
         backend_name = handle.kv_backend or "grpc"
         try:
             backend = await asyncio.to_thread(self.sender_backend, backend_name)
-            heads = self.ctx.compat.kv_heads  # every head: the engine hands over whole layers
-            sender: KVSender = await asyncio.to_thread(
-                open_split, backend, target_from_handle(handle), range(heads), heads
-            )
+            target = target_from_handle(handle)
+            heads = self.ctx.compat.kv_heads
+            own, push = range(heads), None  # every head: rank 0 gathers whole layers
+            if self.ranks is not None and self.ranks.direct(target):
+                own, push = self.ranks.own, PushOrder(target, backend_name)
+            sender: KVSender = await asyncio.to_thread(open_split, backend, target, own, heads)
         except (TransferError, ValueError, ImportError) as e:
             self._release_soon(handle, "prefill failed to open the push")
             raise RpcFailure(grpc.StatusCode.UNAVAILABLE, f"cannot push KV: {e}") from None
@@ -144,6 +151,7 @@ class PrefillRunner:
                 list(req.prompt_token_ids),
                 sampling,
                 send_layer if holds.directory else sender.send_layer,
+                push,
             )
         except BaseException as e:
             sender.abort(f"prefill failed: {e!r}")
@@ -156,6 +164,12 @@ class PrefillRunner:
         t_compute = time.monotonic()
         try:
             stats = await asyncio.to_thread(sender.finish, self.transfer_timeout_s)
+            if push is not None and self.ranks is not None:  # and every other rank's push
+                why = await asyncio.to_thread(
+                    self.ranks.wait_sent, handle.lease_id, self.transfer_timeout_s
+                )
+                if why is not None:
+                    raise TransferError(why, "rank")
         except TransferError as e:
             self._failures.labels(backend_name, e.reason).inc()
             self._release_soon(handle, f"push failed: {e.reason}")
