@@ -28,6 +28,7 @@ from stack_kit import (  # noqa: F401  (fixtures)
     child_pids,
     complete,
     decisions,
+    generate_reference,
     reference_fixture,
     router,
     tokenizer_fixture,
@@ -169,3 +170,22 @@ def test_each_prefill_rank_pushes_its_heads_to_each_decode_rank_itself(
     # the pushes' connections stay pooled a while: who holds which shows who pushed
     assert ports[0] in _tcp_peers(rank0) and ports[1] not in _tcp_peers(rank0)
     assert ports[1] in _tcp_peers(rank1) and ports[0] not in _tcp_peers(rank1)
+
+
+def test_replicated_kv_heads_hand_off_between_two_rank_workers(
+    tiny_model_path_kv1: Path, tokenizer: Any
+) -> None:
+    """One KV head, two ranks on each side: each prefill rank holds a replica of the head
+    and one of them pushes it, to each decode rank (each holds its own replica); the
+    greedy tokens are transformers' own and the decode worker's blocks all come back."""
+    want = generate_reference(tiny_model_path_kv1)
+    procs = _start(tiny_model_path_kv1, [Role.PREFILL, Role.DECODE],
+                   {Role.PREFILL: 2, Role.DECODE: 2})  # fmt: skip
+    with procs:
+        eps = procs.start(timeout_s=300)
+        before = _blocks(eps[1])
+        with router(TOKEN, tokenizer, eps, disaggregation=ALWAYS_REMOTE, kv_backend="tcp") as base:
+            for prompt, ref in zip(PROMPTS, want, strict=True):
+                assert complete(base, prompt, stream=True) == ref
+        after = _blocks(eps[1])
+        assert after == before and after[0] == after[1] and after[2] == 0
