@@ -156,23 +156,29 @@ class PrefillRunner:
         except BaseException as e:
             sender.abort(f"prefill failed: {e!r}")
             self._release_soon(handle, "prefill failed")
+            if push is not None:
+                self._forget_rank_answers(handle.lease_id)
             if isinstance(e, NoCapacity):
                 raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
             if isinstance(e, RequestError):
                 raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             raise
         t_compute = time.monotonic()
+        ranks_heard = push is None
         try:
             stats = await asyncio.to_thread(sender.finish, self.transfer_timeout_s)
             if push is not None and self.ranks is not None:  # and every other rank's push
                 why = await asyncio.to_thread(
                     self.ranks.wait_sent, handle.lease_id, self.transfer_timeout_s
                 )
+                ranks_heard = True
                 if why is not None:
                     raise TransferError(why, "rank")
         except TransferError as e:
             self._failures.labels(backend_name, e.reason).inc()
             self._release_soon(handle, f"push failed: {e.reason}")
+            if not ranks_heard:
+                self._forget_rank_answers(handle.lease_id)
             raise RpcFailure(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {e}") from None
         self._bytes.labels(backend_name, "sent").inc(stats.bytes_sent)
         transfer_s = max(0.0, stats.done - (stats.first_send or t0))
@@ -207,6 +213,16 @@ class PrefillRunner:
             bytes_sent=stats.bytes_sent,
             num_cached_tokens=result.num_cached_tokens,
         )
+
+    def _forget_rank_answers(self, lease_id: str) -> None:
+        """A failed prefill whose ranks each pushed: their answers are still taken (off
+        the loop, once they come or the push's time is up), so none stays in the store."""
+        ranks = self.ranks
+        if ranks is None:
+            return
+        args = (lease_id, self.transfer_timeout_s)
+        name = f"splitserve-rank-answers-{lease_id}"
+        threading.Thread(target=ranks.wait_sent, args=args, daemon=True, name=name).start()
 
     def _release_soon(self, handle: pb.TransferHandle, reason: str) -> None:
         """Release on the decode worker in the background: the failed Prefill answers at
