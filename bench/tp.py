@@ -7,7 +7,9 @@
 - the handoff of a 2,000-token prompt: a ``splitserve worker --role prefill`` over two
   ranks (one thread each) against one over one rank (two threads), each pushing its KV
   over tcp to the same one-rank decode worker: the Prefill call's time, its prefill
-  compute and the transfer still exposed after it (the best of ``--rounds``).
+  compute and the transfer still exposed after it (the best of ``--rounds``); and the
+  same two pushing to a decode worker over two ranks (one thread each), each of whose
+  ranks receives its own KV heads (from each prefill rank directly, over two ranks).
 
 The model is a random Llama built in place of SmolLM2-135M's size (30 layers, hidden
 576, an MLP of 1,536, vocabulary 49,152), with 8 query heads and 2 KV heads, which split
@@ -17,8 +19,10 @@ Between the decode rounds' figures, each all-reduce kind is also timed alone (20
 back-to-back all-reduces of 576, 9,216 and 65,536 floats on both ranks): the cost of the
 transport itself, without the wait for a slower rank that a decode step's share holds.
 
-Ends with ``RESULT tp2_vs_tp1_decode=<ratio> hetero_vs_same_handoff=<ratio>`` (the decode
-ratio over the all-reduce that decoded faster; targets: >= 0.7 and <= 1.2).
+Ends with ``RESULT tp2_vs_tp1_decode=<ratio> hetero_vs_same_handoff=<ratio>
+p1d2_vs_same_handoff=<ratio> p2d2_vs_same_handoff=<ratio>`` (the decode ratio over the
+all-reduce that decoded faster; targets: >= 0.7 and <= 1.2 for the first two; the last
+two are P(TP1)->D(TP2) and P(TP2)->D(TP2) against P(TP1)->D(TP1)).
 
     .venv/bin/python bench/tp.py [--steps 24] [--rounds 2] [--prompt-len 2000]
 """
@@ -165,23 +169,28 @@ async def _handoff(p_addr: str, d_addr: str, token: str, prompt_len: int, rounds
 def bench_handoff(
     path: Path, prompt_len: int, rounds: int
 ) -> dict[str, tuple[float, float, float]]:
+    """``tp<p>`` (to a one-rank decode worker) and ``tp<p>-d2`` (to one over two ranks,
+    each receiving its own KV heads; from two prefill ranks each pushes its own)."""
     from splitserve_worker.commands.up import WorkerProcs
 
     token = secrets.token_hex(8)
     out = {}
-    with WorkerProcs(str(path), [Role.DECODE], token, threads=1, echo=False) as dec:
-        (d_ep,) = dec.start(timeout_s=300)
-        for label, tp, threads in (("tp1", 1, 2), ("tp2", 2, 1)):
-            with WorkerProcs(str(path), [Role.PREFILL], token, threads=threads, echo=False,
-                             tensor_parallel={Role.PREFILL: tp}) as pre:  # fmt: skip
-                (p_ep,) = pre.start(timeout_s=300)
-                out[label] = asyncio.run(
-                    _handoff(p_ep.address, d_ep.address, token, prompt_len, rounds, label)
-                )
-                wall, comp, exposed = out[label]
-                print(f"  P(TP{tp}, {threads} thread(s) per rank) -> D(TP1): Prefill call "
-                      f"{wall:.2f} s, prefill compute {comp:.2f} s, transfer exposed "
-                      f"{exposed * 1e3:.0f} ms", flush=True)  # fmt: skip
+    for d_tp, suffix in ((1, ""), (2, "-d2")):
+        with WorkerProcs(str(path), [Role.DECODE], token, threads=1, echo=False,
+                         tensor_parallel={Role.DECODE: d_tp}) as dec:  # fmt: skip
+            (d_ep,) = dec.start(timeout_s=300)
+            for label, tp, threads in (("tp1", 1, 2), ("tp2", 2, 1)):
+                with WorkerProcs(str(path), [Role.PREFILL], token, threads=threads, echo=False,
+                                 tensor_parallel={Role.PREFILL: tp}) as pre:  # fmt: skip
+                    (p_ep,) = pre.start(timeout_s=300)
+                    key = label + suffix
+                    out[key] = asyncio.run(
+                        _handoff(p_ep.address, d_ep.address, token, prompt_len, rounds, key)
+                    )
+                    wall, comp, exposed = out[key]
+                    print(f"  P(TP{tp}, {threads} thread(s) per rank) -> D(TP{d_tp}): Prefill "
+                          f"call {wall:.2f} s, prefill compute {comp:.2f} s, transfer exposed "
+                          f"{exposed * 1e3:.0f} ms", flush=True)  # fmt: skip
     return out
 
 
@@ -218,7 +227,13 @@ def main() -> int:
         hand = bench_handoff(path, args.prompt_len, args.rounds)
     decode_ratio = summary[pick][0]
     handoff_ratio = hand["tp2"][0] / hand["tp1"][0]
-    print(f"RESULT tp2_vs_tp1_decode={decode_ratio:.2f} hetero_vs_same_handoff={handoff_ratio:.2f}")
+    split = {k: hand[f"{k}-d2"][0] / hand["tp1"][0] for k in ("tp1", "tp2")}
+    print(f"  against P(TP1) -> D(TP1): P(TP1) -> D(TP2) {split['tp1']:.2f}x, "
+          f"P(TP2) -> D(TP2) {split['tp2']:.2f}x the Prefill call")  # fmt: skip
+    print(
+        f"RESULT tp2_vs_tp1_decode={decode_ratio:.2f} hetero_vs_same_handoff={handoff_ratio:.2f} "
+        f"p1d2_vs_same_handoff={split['tp1']:.2f} p2d2_vs_same_handoff={split['tp2']:.2f}"
+    )
     return 0
 
 

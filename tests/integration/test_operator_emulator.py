@@ -441,27 +441,22 @@ def test_admission_refuses_a_tensor_parallel_size_that_does_not_divide_gpus(
     assert status["status"]["observedGeneration"] == 1
 
 
-def test_admission_refuses_a_decode_pool_of_more_than_one_rank(
+def test_admission_takes_a_decode_pool_of_several_ranks_over_tcp_only(
     admitting_client, inference_service
 ) -> None:
-    """Decode workers run one rank for now: ``gpus: 2`` (two ranks by default) or an
-    explicit ``tensorParallelSize: 2`` is refused with what to set; ``tensorParallelSize:
-    1`` on the same pod is taken."""
+    """Each rank of a decode worker receives its own KV heads over tcp: ``gpus: 2`` (two
+    ranks by default) or an explicit ``tensorParallelSize: 2`` with another backend is
+    refused with what to set; over tcp the same pool is taken."""
     client = admitting_client
+    grpc_kv = {"backend": "grpc"}
     for decode in ({"gpus": 2}, {"gpus": 2, "tensorParallelSize": 2}):
         with pytest.raises(Invalid) as exc:
-            client.create(inference_service("dtp", decode=decode))
+            client.create(inference_service("dtp", decode=decode, kvTransfer=grpc_kv))
         assert exc.value.status == 422
-        assert "decode workers run one rank for now: set decode.tensorParallelSize: 1" in str(
-            exc.value
-        ), exc.value
+        assert "KV heads over tcp: set kvTransfer.backend: tcp" in str(exc.value), exc.value
         assert client.get(INFERENCE_SERVICE, "default", "dtp") is None
-    made = client.create(
-        inference_service("dtp", prefill={"gpus": 2}, decode={"gpus": 2, "tensorParallelSize": 1})
-    )
-    assert made["spec"]["decode"]["tensorParallelSize"] == 1
-    with pytest.raises(Invalid):  # nor can a patch take it there
-        client.patch(
-            INFERENCE_SERVICE, "default", "dtp", {"spec": {"decode": {"tensorParallelSize": 2}}}
-        )
+    made = client.create(inference_service("dtp", prefill={"gpus": 2}, decode={"gpus": 2}))
+    assert made["spec"]["decode"]["gpus"] == 2
+    with pytest.raises(Invalid):  # nor can a patch take it to grpc
+        client.patch(INFERENCE_SERVICE, "default", "dtp", {"spec": {"kvTransfer": grpc_kv}})
     assert client.get(INFERENCE_SERVICE, "default", "dtp") == made

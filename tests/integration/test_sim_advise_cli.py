@@ -110,15 +110,21 @@ def test_errors_are_one_clear_line() -> None:
         "--slo-tpot", "0.05", "--rate", "1", "--prompt-len", "10", "--output-len", "10",
     )  # fmt: skip
     assert p.returncode == 2 and "h100" in p.stderr
-    # decode workers run one rank for now: a model that needs 4 H100s per worker has no
-    # deployment the operator would run, and advise says what to give instead
+    # a model that needs 4 H100s per worker: every pool runs over 4 ranks, decode too
     p = advise(
         "--model", "llama-3.1-70b", "--gpu", "h100", "--link", "nvlink", "--slo-ttft", "2",
         "--slo-tpot", "0.1", "--rate", "1", "--prompt-len", "100", "--output-len", "10",
     )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "decode:\n    replicas: 1\n    gpus: 4\n    tensorParallelSize: 4" in p.stdout
+    # and a budget below one worker is refused, saying what to give
+    p = advise(
+        "--model", "llama-3.1-70b", "--gpu", "h100", "--link", "nvlink", "--slo-ttft", "2",
+        "--slo-tpot", "0.1", "--rate", "1", "--prompt-len", "100", "--output-len", "10",
+        "--gpus", "2",
+    )  # fmt: skip
     assert p.returncode == 2 and p.stdout == "", p.stdout
-    assert "needs 4 x h100 per worker, and decode workers run one rank for now" in p.stderr
-    assert "--decode-gpu" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert "needs 4 x h100 per worker: give --gpus 4 or more" in p.stderr
 
 
 def test_advise_never_imports_torch() -> None:

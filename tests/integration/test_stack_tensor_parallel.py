@@ -1,18 +1,25 @@
-"""Tensor-parallel workers through the router's API: a prefill worker over two ranks
-handing off to a decode worker over one (over the tcp and the grpc KV backends), and a
-colocated worker over two ranks, give transformers' greedy tokens, and the same seeded
-samples as each other; the ranks' processes end with their worker."""
+"""Tensor-parallel workers through the router's API: prefill and decode workers of any
+tensor-parallel sizes (P(TP2)->D(TP1), P(TP1)->D(TP2), P(TP2)->D(TP2)) and a colocated
+worker over two ranks give transformers' greedy tokens, and the same seeded samples as
+each other; a decode worker over two ranks gets each rank's heads straight into that
+rank's pool, its blocks all come back, and a backend that cannot reach its ranks is
+refused at Reserve; the ranks' processes end with their worker."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from splitserve.roles import Role
+from splitserve_worker.client import WorkerClient
 from splitserve_worker.commands.up import WorkerProcs
+from splitserve_worker.kv.tcp_wire import parse_metadata
 from splitserve_worker.router.discovery import WorkerEndpoint
 from stack_kit import (  # noqa: F401  (fixtures)
     ALWAYS_REMOTE,
@@ -21,6 +28,7 @@ from stack_kit import (  # noqa: F401  (fixtures)
     child_pids,
     complete,
     decisions,
+    generate_reference,
     reference_fixture,
     router,
     tokenizer_fixture,
@@ -28,51 +36,156 @@ from stack_kit import (  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
+TOKEN = secrets.token_hex(8)
 TP = {Role.PREFILL: 2, Role.DECODE: 1, Role.BOTH: 2}
+TP_DECODE = {Role.PREFILL: 1, Role.DECODE: 2}
+PIDS: dict[str, int] = {}
+"""Each worker's rank 0 process, by name (its other ranks are its children)."""
+
+
+def _start(model: Path, roles: list[Role], tp: dict[Role, int]) -> Any:
+    return WorkerProcs(str(model), roles, TOKEN, threads=1, echo=False, tensor_parallel=tp)
 
 
 @pytest.fixture(scope="module")
-def tp_workers(tiny_model_path: Path) -> Iterator[tuple[str, list[WorkerEndpoint], list[int]]]:
-    token = secrets.token_hex(8)
-    roles = [Role.PREFILL, Role.DECODE, Role.BOTH]
-    procs = WorkerProcs(str(tiny_model_path), roles, token, threads=1, echo=False,
-                        tensor_parallel=TP)  # fmt: skip
-    with procs:
-        eps = procs.start(timeout_s=300)
-        ranks = [c for wp in procs.procs for c in child_pids(wp.proc.pid)]
-        assert len(ranks) == 2  # one more rank each for the prefill and colocated workers
-        yield token, eps, ranks
+def tp_workers(tiny_model_path: Path) -> Iterator[dict[str, WorkerEndpoint]]:
+    """``p2``, ``d1``, ``c2`` (prefill over two ranks, decode over one, colocated over
+    two) and ``p1``, ``d2`` (prefill over one, decode over two)."""
+    first = _start(tiny_model_path, [Role.PREFILL, Role.DECODE, Role.BOTH], TP)
+    second = _start(tiny_model_path, [Role.PREFILL, Role.DECODE], TP_DECODE)
+    with first, second:
+        eps = first.start(timeout_s=300) + second.start(timeout_s=300)
+        procs = first.procs + second.procs
+        ranks = [c for wp in procs for c in child_pids(wp.proc.pid)]
+        assert len(ranks) == 3  # one more rank each for p2, c2 and d2
+        names = ["p2", "d1", "c2", "p1", "d2"]
+        PIDS.update(zip(names, (wp.proc.pid for wp in procs), strict=True))
+        yield dict(zip(names, eps, strict=True))
     assert not [p for p in ranks if alive(p)]
 
 
-def _stack(eps: list[WorkerEndpoint], role: str) -> list[WorkerEndpoint]:
-    by = {e.role: e for e in eps}
-    return [by[Role.PREFILL], by[Role.DECODE]] if role == "disaggregated" else [by[Role.BOTH]]
+PAIRS = {"p2d1": ("p2", "d1"), "p1d2": ("p1", "d2"), "p2d2": ("p2", "d2"), "colocated": ("c2",)}
+
+
+def _stack(eps: dict[str, WorkerEndpoint], pair: str) -> list[WorkerEndpoint]:
+    return [eps[n] for n in PAIRS[pair]]
+
+
+def _blocks(ep: WorkerEndpoint) -> tuple[int, int, int]:
+    async def go() -> tuple[int, int, int]:
+        h = await WorkerClient(ep.address, TOKEN).health()
+        return h.free_blocks, h.total_blocks, h.leases
+
+    return asyncio.run(go())
 
 
 @pytest.mark.parametrize(
-    ("stack", "backend"),
-    [("disaggregated", "tcp"), ("disaggregated", "grpc"), ("colocated", "tcp")],
+    ("pair", "backend"),
+    [("p2d1", "tcp"), ("p2d1", "grpc"), ("p1d2", "tcp"), ("p2d2", "tcp"), ("colocated", "tcp")],
 )
 def test_tp_stacks_give_transformers_greedy_tokens(
-    stack: str, backend: str, tp_workers: Any, tokenizer: Any, reference: list[list[int]]
+    pair: str, backend: str, tp_workers: Any, tokenizer: Any, reference: list[list[int]]
 ) -> None:
-    token, eps, _ = tp_workers
-    extra: dict[str, Any] = {"disaggregation": ALWAYS_REMOTE} if stack == "disaggregated" else {}
-    with router(token, tokenizer, _stack(eps, stack), kv_backend=backend, **extra) as base:
+    stack = _stack(tp_workers, pair)
+    remote = pair != "colocated"
+    extra: dict[str, Any] = {"disaggregation": ALWAYS_REMOTE} if remote else {}
+    before = [_blocks(ep) for ep in stack]
+    with router(TOKEN, tokenizer, stack, kv_backend=backend, **extra) as base:
         for prompt, want in zip(PROMPTS, reference, strict=True):
             assert complete(base, prompt, stream=False) == want
             assert complete(base, prompt, stream=True) == want
         made = decisions(base)
-    kind = "remote" if stack == "disaggregated" else "local"
+    kind = "remote" if remote else "local"
     assert made.get(kind, 0) == 2 * len(PROMPTS)
+    after = [_blocks(ep) for ep in stack]
+    # the decode (or colocated) worker holds nothing once its requests are done
+    assert after[-1] == before[-1] and after[-1][0] == after[-1][1] and after[-1][2] == 0
 
 
 def test_seeded_samples_agree_across_tp_stacks(tp_workers: Any, tokenizer: Any) -> None:
-    token, eps, _ = tp_workers
     got = []
-    for stack in ("disaggregated", "colocated"):
-        extra = {"disaggregation": ALWAYS_REMOTE} if stack == "disaggregated" else {}
-        with router(token, tokenizer, _stack(eps, stack), **extra) as base:
+    for pair in PAIRS:
+        extra = {"disaggregation": ALWAYS_REMOTE} if pair != "colocated" else {}
+        with router(TOKEN, tokenizer, _stack(tp_workers, pair), **extra) as base:
             got.append([complete(base, p, stream=False, temperature=0.9, seed=11) for p in PROMPTS])
-    assert got[0] == got[1]
+    assert all(g == got[0] for g in got[1:]), got
+
+
+def test_a_split_decode_pool_names_its_ranks_and_refuses_what_cannot_reach_them(
+    tp_workers: Any,
+) -> None:
+    async def go() -> None:
+        d2 = WorkerClient(tp_workers["d2"].address, TOKEN)
+        compat = (await WorkerClient(tp_workers["p1"].address, TOKEN).health()).compat
+        free = (await d2.health()).free_blocks
+        h = await d2.reserve("ranks-tcp", 40, compat, kv_backend="tcp")
+        heads = [(r.rank, r.kv_head_start, r.kv_head_stop) for r in h.kv_ranks]
+        assert heads == [(0, 0, compat.kv_heads // 2), (1, compat.kv_heads // 2, compat.kv_heads)]
+        assert len({r.backend_metadata for r in h.kv_ranks}) == 2  # a port per rank
+        await d2.release("ranks-tcp")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await d2.reserve("ranks-grpc", 40, compat, kv_backend="grpc")
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "2 tensor-parallel ranks (tp2-kv" in (e.value.details() or "")
+        h2 = await d2.health()
+        assert (h2.free_blocks, h2.leases) == (free, 0)
+
+    asyncio.run(go())
+
+
+def _tcp_peers(pid: int) -> set[int]:
+    """The remote ports of the established TCP connections process ``pid`` holds."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if f[3] == "01" and f[9] in inodes:  # ESTABLISHED
+            ports.add(int(f[2].split(":")[1], 16))
+    return ports
+
+
+def test_each_prefill_rank_pushes_its_heads_to_each_decode_rank_itself(
+    tp_workers: Any, tokenizer: Any, reference: list[list[int]]
+) -> None:
+    async def rank_ports() -> list[int]:
+        d2 = WorkerClient(tp_workers["d2"].address, TOKEN)
+        compat = (await d2.health()).compat
+        h = await d2.reserve("ports", 8, compat, kv_backend="tcp")
+        await d2.release("ports")
+        return [parse_metadata(r.backend_metadata)[0] for r in h.kv_ranks]
+
+    ports = asyncio.run(rank_ports())
+    with router(TOKEN, tokenizer, _stack(tp_workers, "p2d2"), disaggregation=ALWAYS_REMOTE,
+                kv_backend="tcp") as base:  # fmt: skip
+        assert complete(base, PROMPTS[0], stream=False) == reference[0]
+    rank0 = PIDS["p2"]
+    (rank1,) = child_pids(rank0)
+    # the pushes' connections stay pooled a while: who holds which shows who pushed
+    assert ports[0] in _tcp_peers(rank0) and ports[1] not in _tcp_peers(rank0)
+    assert ports[1] in _tcp_peers(rank1) and ports[0] not in _tcp_peers(rank1)
+
+
+def test_replicated_kv_heads_hand_off_between_two_rank_workers(
+    tiny_model_path_kv1: Path, tokenizer: Any
+) -> None:
+    """One KV head, two ranks on each side: each prefill rank holds a replica of the head
+    and one of them pushes it, to each decode rank (each holds its own replica); the
+    greedy tokens are transformers' own and the decode worker's blocks all come back."""
+    want = generate_reference(tiny_model_path_kv1)
+    procs = _start(tiny_model_path_kv1, [Role.PREFILL, Role.DECODE],
+                   {Role.PREFILL: 2, Role.DECODE: 2})  # fmt: skip
+    with procs:
+        eps = procs.start(timeout_s=300)
+        before = _blocks(eps[1])
+        with router(TOKEN, tokenizer, eps, disaggregation=ALWAYS_REMOTE, kv_backend="tcp") as base:
+            for prompt, ref in zip(PROMPTS, want, strict=True):
+                assert complete(base, prompt, stream=True) == ref
+        after = _blocks(eps[1])
+        assert after == before and after[0] == after[1] and after[2] == 0

@@ -139,19 +139,23 @@ def test_the_operator_says_which_tensor_parallel_sizes_fit() -> None:
      ({"gpus": 4, "tensorParallelSize": 2}, "tensorParallelSize 2"),
      ({"gpus": 0, "tensorParallelSize": 2}, "tensorParallelSize 2")],
 )  # fmt: skip
-def test_a_decode_pool_of_more_than_one_rank_is_refused_saying_what_to_set(
+def test_a_decode_pool_of_several_ranks_takes_tcp_and_other_backends_are_refused(
     decode: dict[str, Any], said: str
 ) -> None:
-    """Decode workers run one rank for now (``--role decode`` refuses more): the CRD's
-    rule and the operator's spec check refuse such a pool at admission and at load,
-    rather than render a pod whose worker exits."""
+    """Each rank of a decode worker receives its own KV heads over tcp (a decode worker
+    over several ranks refuses the other backends): the CRD's rule and the operator's
+    spec check take such a pool with ``tcp`` (the default) and refuse it with another
+    backend, at admission and at load, rather than render a pod whose worker exits."""
     doc = resource(decode=decode)
-    assert any("decode workers run one rank for now" in p for p in problems(doc)), problems(doc)
+    assert problems(doc) == []
+    assert parse_spec(doc["spec"], name="demo").decode.tensor_parallel == 2
+    doc = resource(decode=decode, kvTransfer={"backend": "grpc"})
+    assert any("receive each rank's" in p for p in problems(doc)), problems(doc)
     with pytest.raises(SpecError) as caught:
         parse_spec(doc["spec"], name="demo")
     (problem,) = caught.value.problems
     assert f"decode tensor parallelism 2 ({said})" in problem, problem
-    assert "set decode.tensorParallelSize: 1" in problem and "or decode.gpus: 1" in problem
+    assert "not grpc: set kvTransfer.backend: tcp, or decode.tensorParallelSize: 1" in problem
 
 
 @pytest.mark.parametrize(

@@ -86,7 +86,7 @@ def _image_pull_secrets() -> None:
 
 
 def _one_rank(pool: str) -> dict[str, int]:
-    """What a decode pool of several GPUs needs to pass: decode workers run one rank."""
+    """A decode pool of several GPUs at one rank (its other GPUs idle)."""
     return {"tensorParallelSize": 1} if pool == "decode" else {}
 
 
@@ -337,13 +337,14 @@ def _model_cache() -> None:
 
 
 def _decode_tensor_parallel() -> None:
-    """Decode workers run one rank for now: the spec check refuses more, saying what to
-    set, and ``tensorParallelSize: 1`` on a pod of four GPUs renders one rank."""
-    with pytest.raises(
-        SpecError,
-        match=r"decode workers run one rank for now .*: set decode\.tensorParallelSize: 1",
-    ):
-        objects({"decode": {"gpus": 4, "tensorParallelSize": 2}})
+    """A decode pool over several ranks renders them (over tcp; another backend is refused,
+    saying what to set), and ``tensorParallelSize: 1`` on a pod of four GPUs renders one
+    rank."""
+    with pytest.raises(SpecError, match=r"KV heads over tcp, not grpc: set kvTransfer"):
+        objects({"decode": {"gpus": 4, "tensorParallelSize": 2}, "kvTransfer": {"backend": "grpc"}})
+    two = objects({"decode": {"gpus": 4, "tensorParallelSize": 2}})
+    assert arg(two, "decode", "--tensor-parallel-size") == "2"
+    assert "dshm" in {v["name"] for v in pod(two, "decode")["volumes"]}
     one = objects({"decode": {"gpus": 4, "tensorParallelSize": 1}})
     assert arg(one, "decode", "--tensor-parallel-size") == "1"
     assert "dshm" not in {v["name"] for v in pod(one, "decode")["volumes"]}

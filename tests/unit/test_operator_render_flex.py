@@ -85,9 +85,13 @@ def test_a_topology_spread_spreads_the_flex_pods_not_the_decode_pool() -> None:
 def test_the_flex_pool_is_checked_like_the_others() -> None:
     with pytest.raises(SpecError, match=r"flex.*tensorParallelSize 3 does not divide gpus 2"):
         parse_spec({**BASE, "flex": {"gpus": 2, "tensorParallelSize": 3}}, name=REF.name)
-    # a switchable worker serves decode too, which runs one rank for now
-    with pytest.raises(SpecError, match=r"flex tensor parallelism 2 \(gpus 2 .*flex.gpus: 1"):
-        parse_spec({**BASE, "flex": {"gpus": 2}}, name=REF.name)
+    # a switchable worker serves decode too, whose ranks each receive their heads over tcp
+    grpc_kv = {"kvTransfer": {"backend": "grpc"}}
+    with pytest.raises(SpecError, match=r"flex tensor parallelism 2 \(gpus 2 .*not grpc: set "
+                       r"kvTransfer.backend: tcp, or flex.tensorParallelSize: 1"):  # fmt: skip
+        parse_spec({**BASE, "flex": {"gpus": 2}, **grpc_kv}, name=REF.name)
+    flex = parse_spec({**BASE, "flex": {"gpus": 2}}, name=REF.name).flex
+    assert flex is not None and flex.tensor_parallel == 2
     assert parse_spec({**BASE, "flex": {"gpus": 2, "tensorParallelSize": 1}}, name=REF.name).flex
     assert parse_spec(BASE, name=REF.name).flex is None
 
@@ -95,7 +99,7 @@ def test_the_flex_pool_is_checked_like_the_others() -> None:
 RICH: dict[str, Any] = {
     "replicas": 2,
     "gpus": 2,
-    "tensorParallelSize": 1,  # a switchable worker serves decode: one rank for now
+    "tensorParallelSize": 1,
     "acceleratorResource": "amd.com/gpu",
     "resources": {"requests": {"cpu": "4", "memory": "16Gi"}},
     "nodeSelector": {"pool": "gpu"},

@@ -65,7 +65,7 @@ FULL: dict[str, Any] = {
     "decode": {
         "replicas": 3,
         "gpus": 2,
-        "tensorParallelSize": 1,  # decode workers run one rank for now
+        "tensorParallelSize": 1,  # one rank on a pod of several GPUs
         "acceleratorResource": "amd.com/gpu",
         "podTemplate": {
             "labels": {"kueue.x-k8s.io/queue-name": "inference"},
@@ -282,7 +282,7 @@ def test_a_pool_with_gpus_runs_on_cuda_and_one_without_on_the_cpu() -> None:
 TP4: dict[str, Any] = {
     **BASE,
     "prefill": {"gpus": 4},
-    "decode": {"gpus": 4, "tensorParallelSize": 1},  # decode workers run one rank for now
+    "decode": {"gpus": 4, "tensorParallelSize": 1},  # one rank on a pod of several GPUs
 }
 
 

@@ -151,9 +151,9 @@ def test_the_issues_example_colocates_on_one_gpu() -> None:
     _accepted(service)
 
 
-def test_decode_and_colocated_are_sized_at_one_rank() -> None:
-    """Long prompts on tight TTFT: the prefill pool is searched from one rank up, decode
-    and colocated stay at one rank (decode workers run one rank for now), and the printed
+def test_decode_and_colocated_need_no_more_than_one_rank_for_a_model_one_gpu_holds() -> None:
+    """Long prompts on tight TTFT: every pool is searched from one rank up; decode and
+    colocated serve the rate on the fewest GPUs at one rank, and the printed
     InferenceService passes the CRD and the operator."""
     a = advise(
         load_model_spec("llama-3.1-8b"),
@@ -173,9 +173,11 @@ def test_decode_and_colocated_are_sized_at_one_rank() -> None:
     _accepted(a.inference_service())
 
 
-def test_a_model_whose_decode_needs_more_than_one_gpu_is_refused_with_what_to_do() -> None:
-    """llama-3.1-70b does not fit one H100, and decode workers run one rank for now: no
-    deployment the operator would run exists, so advise says so and what to give."""
+def test_a_model_larger_than_one_gpu_is_sized_over_ranks_in_every_pool() -> None:
+    """llama-3.1-70b does not fit one H100: every pool (decode and colocated too, whose
+    workers run over ranks as prefill's do) is sized from the four ranks that hold it,
+    the printed InferenceService passes the CRD and the operator, and a budget below one
+    worker is refused saying what to give."""
     args = (
         get_gpu("h100"),
         get_link("nvlink"),
@@ -183,17 +185,12 @@ def test_a_model_whose_decode_needs_more_than_one_gpu_is_refused_with_what_to_do
         workload_for_advice(1.0, 2000, 100, n=50),
     )
     m70 = load_model_spec("llama-3.1-70b")
-    with pytest.raises(ConfigError, match=r"needs 4 x .*one rank for now: give a GPU"):
-        advise(m70, *args, gpus=16, max_requests=50)
-    m8 = load_model_spec("llama-3.1-8b")
-    with pytest.raises(ConfigError, match="give --prefill-tp 2 for the prefill pool alone"):
-        advise(m8, *args, gpus=8, decode_tp=2, max_requests=50)
-    with pytest.raises(ConfigError, match="decode workers run one rank"):
-        advise(m8, *args, gpus=8, tp=2, max_requests=50)
-    # 70 GB of 8-bit weights fit one H200 but not one H100, where colocated would run
-    m70_8bit = load_model_spec("llama-3.1-70b", dtype_bytes=1)
-    with pytest.raises(ConfigError, match="colocated workers run one rank"):
-        advise(m70_8bit, *args, gpus=16, decode_gpu=get_gpu("h200"), max_requests=50)
+    a = advise(m70, *args, gpus=16, chunk_sizes=(2048,), max_requests=50)
+    assert all(tp >= 4 for tp in a.tensor_parallel.values()), a.tensor_parallel
+    assert a.colocated.config.pools[Role.BOTH].tp >= 4
+    _accepted(a.inference_service())
+    with pytest.raises(ConfigError, match=r"needs 4 x h100 per worker: give --gpus 4 or more"):
+        advise(m70, *args, gpus=2, max_requests=50)
 
 
 def test_given_sizes_are_used_for_each_pool() -> None:

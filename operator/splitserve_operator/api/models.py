@@ -444,21 +444,18 @@ class InferenceServiceSpec(SpecModel):
             raise ValueError("autoscaling needs its targets: set slo.ttft and slo.tpot")
         if self.autoscaling.decode.min_replicas < 1 and self.autoscaling.enabled:
             raise ValueError("autoscaling.decode.minReplicas must be at least 1")
-        if self.decode.tensor_parallel > 1:
-            raise ValueError(
-                f"decode tensor parallelism {self.decode.tensor_parallel} "
-                f"({_tp_source(self.decode)}): decode workers run one rank for now (a "
-                "decode worker receives KV into one pool): set decode.tensorParallelSize: 1 "
-                "(the pod's other GPUs stay idle) or decode.gpus: 1; prefill pools may use "
-                "tensor parallelism"
-            )
-        if self.flex is not None and self.flex.tensor_parallel > 1:
-            raise ValueError(
-                f"flex tensor parallelism {self.flex.tensor_parallel} "
-                f"({_tp_source(self.flex)}): a switchable worker serves decode too, and "
-                "decode workers run one rank for now: set flex.tensorParallelSize: 1 or "
-                "flex.gpus: 1"
-            )
+        rank_pools = [("decode", self.decode)]
+        if self.flex is not None:
+            rank_pools.append(("flex", self.flex))
+        backend = self.kv_transfer.backend
+        for name, pool in rank_pools:
+            if pool.tensor_parallel > 1 and backend is not KvBackend.TCP:
+                raise ValueError(
+                    f"{name} tensor parallelism {pool.tensor_parallel} ({_tp_source(pool)}): "
+                    f"decode workers over several tensor-parallel ranks receive each rank's "
+                    f"KV heads over tcp, not {backend.value}: set kvTransfer.backend: tcp, "
+                    f"or {name}.tensorParallelSize: 1"
+                )
         return self
 
     def worker_pool(self, pool: Pool) -> WorkerPoolSpec:

@@ -46,16 +46,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tp",
         type=int,
         default=None,
-        help="tensor parallelism of every pool (default: the prefill pool's searched, from "
-        "the smallest that holds the weights up to 8; decode and colocated workers run one "
-        "rank for now, so only 1 here)",
+        help="tensor parallelism of every pool (default: each pool's searched, from the "
+        "smallest that holds the weights up to 8)",
     )
     p.add_argument("--prefill-tp", type=int, default=None, help="the prefill pool's only")
     p.add_argument(
         "--decode-tp",
         type=int,
         default=None,
-        help="the decode pool's only (1: decode workers run one rank for now)",
+        help="the decode pool's only",
     )
     p.add_argument("--no-layerwise", action="store_true", help="send KV only after prefill ends")
     p.add_argument("--chunk-size", type=int, action="append", default=None,

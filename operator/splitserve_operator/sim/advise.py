@@ -2,9 +2,8 @@
 
 :func:`advise` decides by what the workload's own rate costs: the fewest GPUs that
 serve it within the SLO colocated (chunk size searched) and disaggregated
-(prefill:decode split and the prefill pool's tensor parallelism searched), by
-:mod:`.sizing`. Colocated and decode workers, which the operator deploys as decode pods,
-run one rank for now (:func:`~.sizing.one_rank_options`). Beside it, goodput per GPU at
+(prefill:decode split and each pool's tensor parallelism searched), by :mod:`.sizing`.
+Beside it, goodput per GPU at
 scale (the best of each way on the whole GPU budget, at the tensor parallelism chosen)
 says what changes as the traffic grows, and the loser's limits explain it: TTFT or TPOT
 misses, the KV handoff, idle prefill GPUs. :meth:`Advice.inference_service` is the
@@ -42,7 +41,6 @@ from splitserve_operator.sim.sizing import (
     decide,
     disaggregated_candidates,
     fewest_gpus,
-    one_rank_options,
     tp_options,
 )
 from splitserve_operator.sim.workload import Workload
@@ -368,18 +366,17 @@ def advise(
     ``gpus`` GPUs, and a verdict (:func:`~.sizing.decide`).
 
     ``prefill_gpu`` also runs the colocated deployment. ``tp`` fixes every pool's tensor
-    parallelism, ``prefill_tp`` / ``decode_tp`` one pool's (``None``: the prefill pool's
-    searched, from the smallest that holds the weights; decode and colocated take 1, and
-    :class:`~.config.ConfigError` says what to give when the weights do not fit one GPU
-    or more is asked of them). Only the first ``max_requests`` requests of
+    parallelism, ``prefill_tp`` / ``decode_tp`` one pool's (``None``: each pool's
+    searched, from the smallest that holds the weights; :class:`~.config.ConfigError`
+    says what to give when not even that fits the budget). Only the first
+    ``max_requests`` requests of
     ``workload`` are simulated per probe.
     """
     dg = decode_gpu or prefill_gpu
     w = workload.head(max_requests) if len(workload) > max_requests else workload
     pre_tps = tp_options(model, prefill_gpu, gpus, prefill_tp or tp)
-    # colocated and decode workers deploy as decode pods: one rank each for now
-    dec_tps = one_rank_options(model, dg, "decode", decode_tp or tp)
-    col_tps = one_rank_options(model, prefill_gpu, "colocated", tp)
+    dec_tps = tp_options(model, dg, gpus, decode_tp or tp)
+    col_tps = tp_options(model, prefill_gpu, gpus, tp)
     col_sized = fewest_gpus(
         colocated_candidates(model, prefill_gpu, col_tps, chunk_sizes, gpus), w, slo
     )

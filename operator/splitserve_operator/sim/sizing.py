@@ -3,8 +3,7 @@ decision between the two ways.
 
 :func:`fewest_gpus` simulates candidate deployments at the workload's own rate in
 order of their GPU count (prefill:decode split, tensor parallelism per pool and chunk
-size searched; :func:`one_rank_options` keeps decode and colocated workers at one rank)
-and keeps the first count at which one attains the SLO.
+size searched) and keeps the first count at which one attains the SLO.
 :func:`decide` is the pure rule that turns the two answers, and goodput per GPU at
 scale, into a recommendation.
 """
@@ -88,30 +87,6 @@ def tp_options(
         out.append(tp)
         tp *= 2
     return tuple(out)
-
-
-def one_rank_options(
-    model: ModelSpec, gpu: GpuSpec, workers: str, fixed: int | None = None
-) -> tuple[int, ...]:
-    """Tensor-parallel sizes to try for ``workers`` (``"decode"`` or ``"colocated"``)
-    that the operator deploys as decode pods: ``(1,)``, as decode workers run one rank
-    for now. Raises :class:`ConfigError` when ``fixed`` asks for more, or when the
-    weights do not fit one ``gpu``."""
-    if fixed is not None and fixed != 1:
-        raise ConfigError(
-            f"{workers} workers run one rank for now (a decode worker receives KV into one "
-            f"pool), not {fixed}: give --prefill-tp {fixed} for the prefill pool alone, "
-            "and leave --tp and --decode-tp out or at 1"
-        )
-    least = pick_tp(model, gpu, MAX_TP)
-    if least > 1:
-        raise ConfigError(
-            f"{model.name} needs {least} x {gpu.name} per worker, and {workers} workers run "
-            "one rank for now: give a GPU that holds the weights alone (--decode-gpu for "
-            "disaggregated decode, --gpu or --prefill-gpu for colocated), a smaller "
-            "--dtype-bytes or a smaller model"
-        )
-    return (1,)
 
 
 def colocated_candidates(

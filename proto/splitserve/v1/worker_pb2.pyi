@@ -118,7 +118,7 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., compat: _Optional[_Union[CompatInfo, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., kv_backend: _Optional[str] = ...) -> None: ...
 
 class TransferHandle(_message.Message):
-    __slots__ = ("request_id", "decode_address", "block_ids", "lease_id", "lease_expires_unix", "kv_backend", "backend_metadata", "compat", "num_prompt_tokens")
+    __slots__ = ("request_id", "decode_address", "block_ids", "lease_id", "lease_expires_unix", "kv_backend", "backend_metadata", "compat", "num_prompt_tokens", "kv_ranks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class TransferHandle(_message.Message):
     BACKEND_METADATA_FIELD_NUMBER: _ClassVar[int]
     COMPAT_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_RANKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     decode_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -137,7 +138,20 @@ class TransferHandle(_message.Message):
     backend_metadata: bytes
     compat: CompatInfo
     num_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix: _Optional[float] = ..., kv_backend: _Optional[str] = ..., backend_metadata: _Optional[bytes] = ..., compat: _Optional[_Union[CompatInfo, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    kv_ranks: _containers.RepeatedCompositeFieldContainer[KVRank]
+    def __init__(self, request_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix: _Optional[float] = ..., kv_backend: _Optional[str] = ..., backend_metadata: _Optional[bytes] = ..., compat: _Optional[_Union[CompatInfo, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., kv_ranks: _Optional[_Iterable[_Union[KVRank, _Mapping]]] = ...) -> None: ...
+
+class KVRank(_message.Message):
+    __slots__ = ("rank", "kv_head_start", "kv_head_stop", "backend_metadata")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_STOP_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_METADATA_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    kv_head_start: int
+    kv_head_stop: int
+    backend_metadata: bytes
+    def __init__(self, rank: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_stop: _Optional[int] = ..., backend_metadata: _Optional[bytes] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("handle",)

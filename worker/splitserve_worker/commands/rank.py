@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     from splitserve_worker.parallel.collectives import RankGroup, RankLost
     from splitserve_worker.parallel.launch import SPEC_KEY, RankSpec, rank_device
     from splitserve_worker.parallel.sharded_load import layout_of, load_sharded
+    from splitserve_worker.server.rank_kv import RankKVSpec, RankReceiver, rank_compat
+    from splitserve_worker.server.rank_push import RankPusher, RankPushSpec
 
     store = dist.TCPStore("127.0.0.1", args.store_port, args.world, False,
                           timeout=datetime.timedelta(seconds=300))  # fmt: skip
@@ -45,7 +47,23 @@ def main(argv: list[str] | None = None) -> int:
         layout = layout_of(loaded.config, args.world, args.rank)
         group = RankGroup(store, args.rank, args.world, device, allreduce=spec.allreduce)
         config = EngineConfig(**{**spec.engine, "device": str(device)})
-        Follower(loaded, config, group, layout).serve()
+        follower = Follower(loaded, config, group, layout)
+        compat = rank_compat(loaded, config)
+        receiver = pusher = None
+        try:
+            for part in spec.serve or ():
+                if isinstance(part, RankKVSpec):  # this rank receives its own KV heads
+                    receiver = RankReceiver(follower.pool, args.rank, args.store_port, part,
+                                            compat)  # fmt: skip
+                elif isinstance(part, RankPushSpec):  # and pushes them
+                    pusher = RankPusher(args.rank, layout, args.store_port, part, compat)
+            rx = receiver
+            follower.serve(None if rx is None else (lambda step: rx.handle(step, group)),
+                           pusher)  # fmt: skip
+        finally:
+            for part in (receiver, pusher):
+                if part is not None:
+                    part.close()
     except (ModelError, ValueError) as e:
         print(f"error: rank {args.rank}: {e}", file=sys.stderr, flush=True)
         return 2

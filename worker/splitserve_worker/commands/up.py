@@ -207,11 +207,6 @@ def stack_tensor_parallel(prefill: int, decode: int, colocated: int) -> dict[Rol
         if n < 1:
             flag = "--colocated-tp" if role is Role.BOTH else f"--{role.value}-tp"
             raise StackError(f"{flag} must be >= 1, got {n}")
-    if decode > 1:
-        raise StackError(
-            "--decode-tp must be 1: a decode worker receives handed-over KV into one pool; "
-            "give prefill or colocated workers more ranks instead"
-        )
     return sizes
 
 

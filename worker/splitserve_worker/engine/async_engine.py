@@ -259,11 +259,13 @@ class AsyncEngine:
         prompt_token_ids: Iterable[int],
         sampling: SamplingParams | None,
         on_layer: LayerCallback,
+        push: object = None,
     ) -> PrefillResult:
         """``Engine.prefill_export`` on the engine thread (``on_layer`` runs there too)."""
         return await self.call(
-            self.engine.prefill_export, request_id, list(prompt_token_ids), sampling, on_layer
-        )
+            self.engine.prefill_export, request_id, list(prompt_token_ids), sampling, on_layer,
+            push,
+        )  # fmt: skip
 
     async def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int]:
         return await self._call_for(request_id, self.engine.reserve, request_id, num_prompt_tokens)

@@ -298,9 +298,12 @@ class Engine:
         prompt_token_ids: Iterable[int],
         sampling: SamplingParams | None,
         on_layer: LayerCallback,
+        push: object = None,
     ) -> PrefillResult:
         """Compute a prompt here, handing each layer's K/V to ``on_layer`` as soon as that
-        layer is done, and sample the first token.
+        layer is done, and sample the first token. With ``push`` (tensor parallel: where
+        the heads go), ``on_layer`` gets rank 0's heads only and every other rank hands
+        over its own (:mod:`.follower`).
 
         ``on_layer`` is called for every prompt token of every layer, in layer order within
         each chunk of at most ``max_batch_tokens`` tokens (one chunk for most prompts); a
@@ -309,7 +312,7 @@ class Engine:
         :class:`NoCapacity` when the pool cannot hold the prompt now, and
         :class:`RequestError` for a bad request. Runs on the engine's thread.
         """
-        return self.layerwise.run(request_id, prompt_token_ids, sampling, on_layer)
+        return self.layerwise.run(request_id, prompt_token_ids, sampling, on_layer, push)
 
     # ---- remote KV admission (decode role) ----
     def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int]:

@@ -12,7 +12,7 @@ from splitserve.sampling import SamplingParams
 from splitserve_worker.engine.config import EngineConfig
 from splitserve_worker.engine.errors import NoCapacity
 from splitserve_worker.engine.metrics import EngineMetrics
-from splitserve_worker.engine.model_runner import Chunk, ModelRunner
+from splitserve_worker.engine.model_runner import Chunk, ModelRunner, RankPush
 from splitserve_worker.engine.requests import RequestTable
 from splitserve_worker.engine.sampling import sample
 from splitserve_worker.engine.scheduler import Scheduler, blocks_for
@@ -50,6 +50,7 @@ class LayerwisePrefill:
         prompt_token_ids: Iterable[int],
         sampling: SamplingParams | None,
         on_layer: LayerCallback,
+        push: object = None,
     ) -> PrefillResult:
         """:meth:`Engine.prefill_export <splitserve_worker.engine.engine.Engine.prefill_export>`
         (see there)."""
@@ -81,7 +82,7 @@ class LayerwisePrefill:
         if metrics is not None:
             metrics.prefix(len(prompt), seq.num_cached_tokens)
         try:
-            logits = self._forward(seq, on_layer)
+            logits = self._forward(seq, on_layer, push)
             scheduler.commit(seq, 0, cache=self.config.enable_prefix_cache)
             rows = [seq.sample_row(self.stopper.suppressed(seq))]
             picked = sample(logits, rows)
@@ -92,8 +93,9 @@ class LayerwisePrefill:
         return PrefillResult(picked.tokens[0], picked.logprobs[0], seq.num_cached_tokens,
                              len(prompt), picked.top[0], seq.prompt_logprobs)  # fmt: skip
 
-    def _forward(self, seq: Sequence, on_layer: LayerCallback) -> torch.Tensor:
-        """Run a prompt's chunks, calling ``on_layer`` after each layer of each chunk."""
+    def _forward(self, seq: Sequence, on_layer: LayerCallback, push: object) -> torch.Tensor:
+        """Run a prompt's chunks, calling ``on_layer`` after each layer of each chunk
+        (``push``: every rank hands its own heads over, to where it says)."""
         total = len(seq.tokens)
         step = self.config.max_batch_tokens
         metrics = self.metrics
@@ -109,7 +111,8 @@ class LayerwisePrefill:
 
             chunk = Chunk(seq.block_table, start, seq.tokens[start:end], need_logits=end == total,
                           scores=seq.scores_for(end - start))  # fmt: skip
-            logits = self.runner.forward_export(chunk, lo, hand_over)
+            order = None if push is None else RankPush(push, lo, last=end == total)
+            logits = self.runner.forward_export(chunk, lo, hand_over, order)
             seq.record_scores(start, chunk.scores)
             self.scheduler.commit(seq, end - start, cache=self.config.enable_prefix_cache)
             if metrics is not None:

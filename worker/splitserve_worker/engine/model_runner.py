@@ -74,13 +74,26 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
+class RankPush:
+    """A handoff in which every rank pushes its own KV heads (no gather): ``order`` says
+    where (the server's, opaque here), ``start_token`` is the first position this
+    chunk's layers hand over, ``last`` whether it is the prompt's last chunk."""
+
+    order: object
+    start_token: int
+    last: bool
+
+
+@dataclass(frozen=True)
 class ForwardStep:
     """What the leader rank tells the other ranks to run: the same chunks (without what
     only the leader computes: logits and prompt scores), and from which position of the
-    single chunk a handoff gathers each layer's K/V (``None``: no handoff)."""
+    single chunk a handoff gathers each layer's K/V (``None``: no handoff), or, with
+    ``push``, each rank hands its own heads over itself."""
 
     chunks: list[Chunk]
     export_from: int | None = None
+    push: RankPush | None = None
 
 
 @dataclass(frozen=True)
@@ -186,16 +199,19 @@ class ModelRunner:
         chunk: Chunk,
         export_from: int,
         on_layer: Callable[[int, torch.Tensor, torch.Tensor], None],
+        push: RankPush | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` of one chunk, handing ``on_layer(i, k, v)`` every KV head of
         layer ``i`` for positions ``[export_from, chunk end)`` once the layer is done (with
-        tensor parallelism each rank's heads are gathered for it)."""
+        tensor parallelism each rank's heads are gathered for it). With ``push`` (tensor
+        parallel), ``on_layer`` gets this rank's heads only, and every other rank hands
+        over its own (:meth:`follow`)."""
         if self.group is not None and self.group.leader:
-            self.group.send_step(ForwardStep([_plain(chunk)], export_from))
+            self.group.send_step(ForwardStep([_plain(chunk)], export_from, push))
         slots = self.kv.slots(chunk.block_table, export_from, chunk.start + len(chunk.token_ids))
 
         def after(i: int) -> None:
-            k, v = self.export_kv(i, slots)
+            k, v = self.kv.read(i, slots) if push is not None else self.export_kv(i, slots)
             on_layer(i, k, v)
 
         return self.run(self.plan([chunk]), after)
@@ -212,8 +228,13 @@ class ModelRunner:
         return (torch.cat([gk[r] for r in owners], dim=1),
                 torch.cat([gv[r] for r in owners], dim=1))  # fmt: skip
 
-    def follow(self, step: ForwardStep) -> None:
-        """A non-leader rank's part of the leader's forward (no logits)."""
+    def follow(
+        self,
+        step: ForwardStep,
+        on_layer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> None:
+        """A non-leader rank's part of the leader's forward (no logits); with the step's
+        ``push``, ``on_layer(i, k, v)`` gets this rank's heads of each layer."""
         if step.export_from is None:
             self.run(self.plan(step.chunks), logits=False)
             return
@@ -221,7 +242,11 @@ class ModelRunner:
         slots = self.kv.slots(c.block_table, step.export_from, c.start + len(c.token_ids))
 
         def gather(i: int) -> None:
-            self.export_kv(i, slots)
+            if step.push is None:
+                self.export_kv(i, slots)
+            elif on_layer is not None:
+                k, v = self.kv.read(i, slots)
+                on_layer(i, k, v)
 
         self.run(self.plan(step.chunks), gather, logits=False)
 

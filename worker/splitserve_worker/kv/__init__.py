@@ -18,6 +18,8 @@ What both sides check first (compat fields and hash) is the contract's
   :mod:`.grpc_sender`, :mod:`.kvwire` (its message without extra copies);
 - shared by ``tcp`` and ``grpc``: :mod:`.span_sender` (layers into spans, a thread per
   stream) and :mod:`.span_receiver` (spans checked and placed in the blocks);
+- :mod:`.head_split`: one push into a decode pool split over tensor-parallel ranks
+  (each rank exactly its KV heads, over any backend's per-rank pushes);
 - :mod:`.staging`: a device layer made readable off the engine thread (pinned host
   copies on a side stream, events the reading threads wait on);
 - the ``nixl`` backend: :mod:`.nixl_backend`, :mod:`.nixl_receiver`, :mod:`.nixl_common`.

@@ -94,10 +94,13 @@ class LeaseTable:
         num_layers: int,
         ttl: float,
         backend: str,
+        lease_id: str | None = None,
     ) -> Lease:
+        """``lease_id``: the id another table gave the same reservation (a decode worker's
+        other tensor-parallel ranks mirror rank 0's); a fresh random one by default."""
         if ttl <= 0:
             raise ValueError(f"lease ttl must be > 0 seconds, got {ttl}")
-        lease_id = secrets.token_hex(LEASE_ID_BYTES)
+        lease_id = lease_id or secrets.token_hex(LEASE_ID_BYTES)
         lease = Lease(
             request_id=request_id,
             lease_id=lease_id,

@@ -49,6 +49,17 @@ class BackendUnavailable(Exception):
 
 
 @dataclass(frozen=True)
+class RankTarget:
+    """One tensor-parallel rank of a decode worker: the KV heads ``[kv_head_start,
+    kv_head_stop)`` its own pool holds, and what reaches that pool."""
+
+    rank: int
+    kv_head_start: int
+    kv_head_stop: int
+    backend_metadata: bytes
+
+
+@dataclass(frozen=True)
 class TransferTarget:
     """The prefill side's view of a decode worker's reservation (from the handle)."""
 
@@ -60,6 +71,9 @@ class TransferTarget:
     compat_hash: str
     backend_metadata: bytes = b""
     deadline_unix: float = 0.0
+    kv_ranks: tuple[RankTarget, ...] = ()
+    """The decode worker's ranks when its pool is split over them (:mod:`.head_split`
+    pushes each its heads); empty: one pool of every head."""
 
 
 @dataclass

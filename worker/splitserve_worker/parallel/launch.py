@@ -48,6 +48,9 @@ class RankSpec:
     allreduce: str
     engine: dict[str, Any]
     """The engine settings (:class:`~splitserve_worker.engine.config.EngineConfig` fields)."""
+    serve: Any = None
+    """What the worker's server asks of the other ranks besides forwards, if anything (a
+    decode worker's: each rank's own KV port)."""
 
 
 def rank_device(device: str, rank: int) -> torch.device:

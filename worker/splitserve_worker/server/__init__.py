@@ -4,7 +4,9 @@ to it), the prefill side (``prefill``, which calls the decode worker's Commit an
 Release through the worker client), prefix-cache events, the token check (``auth``,
 before a call's message is read), each RPC's request size (``message_limits``), the
 device's health (``device_health``: CUDA there when asked for, sticky device errors, a
-lost tensor-parallel rank), a tensor-parallel engine and its rank processes (``ranks``), the
+lost tensor-parallel rank), a tensor-parallel engine and its rank processes (``ranks``),
+a decode worker's other ranks each receiving their own KV heads (``rank_kv``) and a
+prefill worker's each pushing theirs (``rank_push``), the
 role a switchable pod's labels give it at start (``pod_labels``), and
 ``app.start_worker``, which assembles a worker and closes whatever it started when a
 step fails.

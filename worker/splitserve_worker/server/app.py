@@ -42,6 +42,8 @@ from splitserve_worker.server.events import EventHub
 from splitserve_worker.server.handoff import DecodeHandoff
 from splitserve_worker.server.pod_labels import follow_role_label
 from splitserve_worker.server.prefill import PrefillRunner
+from splitserve_worker.server.rank_kv import RankKV, RankKVSpec
+from splitserve_worker.server.rank_push import RankPushes, RankPushSpec
 from splitserve_worker.server.role_switch import RoleState, RoleSwitcher
 from splitserve_worker.server.service import WorkerService, add_to_server
 from splitserve_worker.server.tcp_sink import start_tcp_server
@@ -108,10 +110,18 @@ async def start_worker(
 
         device.on_failure(failed)
         engine_config: Any = config.engine_config()
+        ranked = None
         if tp > 1:
+            serve: list[Any] = []  # what every rank does besides forwards
+            if config.serves_decode:  # receives its own KV heads
+                serve.append(RankKVSpec(config.host, config.kv_port, config.token, config.tls))
+            if config.serves_prefill:  # pushes its own KV heads
+                serve.append(RankPushSpec(config.token, config.tls, config.kv_streams,
+                                          config.checksums, config.checksum_every,
+                                          config.transfer_timeout_s))  # fmt: skip
             ranked = await asyncio.to_thread(
                 start_ranked_engine, config.model, tp, engine_config, metrics,
-                allreduce=config.tp_allreduce,
+                allreduce=config.tp_allreduce, serve=tuple(serve),
             )  # fmt: skip
             stack.callback(ranked.ranks.stop)
             ranked.ranks.on_lost(device.fail)
@@ -169,8 +179,7 @@ async def start_worker(
         )
 
         handoff = None
-        # KV lands in one pool: a tensor-parallel worker (role both) takes no remote KV
-        if config.serves_decode and tp == 1:
+        if config.serves_decode:
             # tcp and grpc cost nothing until used: a decode worker takes both, and NIXL
             # when configured
             names = sorted({"tcp", "grpc", config.kv_backend})
@@ -179,6 +188,12 @@ async def start_worker(
                 receivers[name] = create_receiver_backend(name, ctx)
                 stack.callback(receivers[name].close)
             assert ctx.pool is not None and ctx.leases is not None
+            ranks = None
+            if tp > 1:
+                assert ranked is not None and engine.layout is not None
+                ranks = await asyncio.to_thread(
+                    RankKV, engine, aengine.call, engine.layout, ranked.ranks.store.port
+                )
             handoff = DecodeHandoff(
                 aengine,
                 compat,
@@ -191,12 +206,18 @@ async def start_worker(
                 address=address,
                 metrics=metrics,
                 holds=config.faults.holds,
+                ranks=ranks,
             )
         prefill = None
         if config.serves_prefill:
+            pushes = None
+            if tp > 1:
+                assert ranked is not None and engine.layout is not None
+                pushes = await asyncio.to_thread(RankPushes, engine.layout, ranked.ranks.store.port)
             prefill = PrefillRunner(
-                aengine, ctx, transfer_timeout_s=config.transfer_timeout_s, metrics=metrics
-            )
+                aengine, ctx, transfer_timeout_s=config.transfer_timeout_s, metrics=metrics,
+                ranks=pushes,
+            )  # fmt: skip
             stack.push_async_callback(prefill.close)
 
         events = EventHub(aengine)

@@ -168,10 +168,11 @@ class WorkerConfig:
                 f"--tp-allreduce must be one of {', '.join(TP_ALLREDUCE)}, "
                 f"got {self.tp_allreduce!r}"
             )
-        if self.tensor_parallel_size > 1 and self.role == "decode":
+        if self.tensor_parallel_size > 1 and self.serves_decode and self.kv_backend != "tcp":
             raise ConfigError(
-                "--tensor-parallel-size > 1 takes --role prefill or both: a decode worker "
-                "receives KV into one pool; run decode workers with --tensor-parallel-size 1"
+                f"--tensor-parallel-size {self.tensor_parallel_size} with --role {self.role} "
+                f"takes --kv-backend tcp: each rank receives its own KV heads over tcp, not "
+                f"{self.kv_backend}; use --kv-backend tcp or --tensor-parallel-size 1"
             )
         try:  # the engine's own checks, said with the flags' names
             self.engine_config()

@@ -15,7 +15,7 @@ from splitserve.kv_compat import Compat
 from splitserve.sampling import SamplingParams
 from splitserve.v1 import worker_pb2 as pb
 
-from splitserve_worker.kv.transport import TransferTarget
+from splitserve_worker.kv.transport import RankTarget, TransferTarget
 
 if TYPE_CHECKING:
     from splitserve_worker.engine.prompt_logprobs import PromptLogprobs
@@ -87,6 +87,10 @@ def target_from_handle(h: pb.TransferHandle) -> TransferTarget:
         compat_hash=h.compat.hash,
         backend_metadata=h.backend_metadata,
         deadline_unix=h.lease_expires_unix,
+        kv_ranks=tuple(
+            RankTarget(r.rank, r.kv_head_start, r.kv_head_stop, r.backend_metadata)
+            for r in h.kv_ranks
+        ),
     )
 
 

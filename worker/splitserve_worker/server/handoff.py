@@ -15,7 +15,7 @@ import math
 import time
 import zlib
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from splitserve import kv_compat as compat_mod
@@ -48,6 +48,21 @@ NIXL_GRACE_S = 5.0
 (the sender stops posting at the lease's expiry) before they can be reused."""
 
 
+class RankParts(Protocol):
+    """The other tensor-parallel ranks of a decode worker whose pool is split over them
+    (:class:`~splitserve_worker.server.rank_kv.RankKV`)."""
+
+    def check_backend(self, backend: str) -> None: ...
+
+    def handle_ranks(self, own_metadata: bytes) -> list[pb.KVRank]: ...
+
+    async def expect(self, lease: Lease) -> None: ...
+
+    async def forget(self, lease: Lease) -> None: ...
+
+    def wait_placed(self, lease: Lease, timeout: float) -> bool: ...
+
+
 class _Awaited(asyncio.Event):
     """Set when a reservation is committed, or dropped (``dropped`` says why)."""
 
@@ -69,8 +84,12 @@ class DecodeHandoff:
         metrics: Metrics,
         holds: Holds | None = None,
         max_lease_seconds: float | None = None,
+        ranks: RankParts | None = None,
     ) -> None:
+        """``ranks``: the worker's other tensor-parallel ranks, each receiving its own KV
+        heads (``pool`` is then rank 0's heads only)."""
         self.engine = engine
+        self.ranks = ranks
         self.holds = holds or Holds()
         self.compat = compat
         self.pool = pool
@@ -124,6 +143,8 @@ class DecodeHandoff:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"this worker accepts KV over {sorted(self.receivers)}, not {backend!r}",
             )
+        if self.ranks is not None:
+            self.ranks.check_backend(backend)
         if self.leases.contains(req.request_id):
             raise RpcFailure(
                 grpc.StatusCode.ALREADY_EXISTS, f"request {req.request_id!r} is already reserved"
@@ -144,6 +165,14 @@ class DecodeHandoff:
             ttl=ttl,
             backend=backend,
         )
+        kv_ranks: list[pb.KVRank] = []
+        if self.ranks is not None:
+            try:
+                await self.ranks.expect(lease)
+            except BaseException:
+                await self.drop(req.request_id, "ranks")
+                raise
+            kv_ranks = self.ranks.handle_ranks(self.receivers[backend].backend_metadata())
         self._committed[req.request_id] = _Awaited()
         return pb.TransferHandle(
             request_id=req.request_id,
@@ -155,6 +184,7 @@ class DecodeHandoff:
             backend_metadata=self.receivers[backend].backend_metadata(),
             compat=compat_to_proto(self.compat),
             num_prompt_tokens=req.num_prompt_tokens,
+            kv_ranks=kv_ranks,
         )
 
     async def drop(self, request_id: str, reason: str) -> int:
@@ -173,6 +203,8 @@ class DecodeHandoff:
                 quiet = await asyncio.to_thread(receiver.quiesce, lease)
                 if not quiet:
                     log.error("a KV write into %s's blocks did not stop", request_id)
+            if self.ranks is not None:
+                await self.ranks.forget(lease)
             if reason not in ("released", "finished"):
                 self._failures.labels(lease.backend, reason).inc()
         freed: int = await self.engine.release(request_id)
@@ -303,12 +335,18 @@ class DecodeHandoff:
         receiver = self.receivers[lease.backend]
         wait = max(0.0, lease.expires_at - self.leases.now())
         arrived = await asyncio.to_thread(receiver.wait_layers, lease, wait)
+        if arrived and self.ranks is not None:  # and every other rank's heads
+            left = max(0.0, lease.expires_at - self.leases.now())
+            arrived = await asyncio.to_thread(self.ranks.wait_placed, lease, left)
         if not arrived:
             await self.drop(lease.request_id, "incomplete")
+            which = f"{lease.layers_complete} of {lease.num_layers} layers"
+            if lease.complete:  # rank 0's: another rank's part is missing
+                which = "not every tensor-parallel rank's KV heads"
             raise RpcFailure(
                 grpc.StatusCode.DATA_LOSS,
-                f"request {req.request_id!r}: {lease.layers_complete} of {lease.num_layers} "
-                "layers arrived before the lease expired; its blocks are freed",
+                f"request {req.request_id!r}: {which} arrived before the lease expired; "
+                "its blocks are freed",
             )
         if req.layer_crc32:
             bad = await asyncio.to_thread(self._bad_layers, lease, list(req.layer_crc32))
@@ -391,6 +429,8 @@ class DecodeHandoff:
                 f"request {request_id!r} was released before its KV was committed",
             )
         self.receivers[lease_now.backend].forget(lease_now)
+        if self.ranks is not None:
+            await self.ranks.forget(lease_now)
         from splitserve_worker.engine.errors import RequestError, UnknownRequest
 
         try:

@@ -24,6 +24,7 @@ from splitserve.sampling import SamplingParams
 from splitserve.v1 import worker_pb2 as pb
 
 from splitserve_worker.client import WorkerClients
+from splitserve_worker.kv.head_split import open_split
 from splitserve_worker.kv.transport import (
     BackendContext,
     KVSender,
@@ -38,6 +39,7 @@ from splitserve_worker.server.convert import (
     top_to_proto,
 )
 from splitserve_worker.server.errors import RpcFailure
+from splitserve_worker.server.rank_push import PushOrder, RankPushes
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +58,12 @@ class PrefillRunner:
         *,
         transfer_timeout_s: float,
         metrics: Metrics,
+        ranks: RankPushes | None = None,
     ) -> None:
+        """``ranks``: this worker's other tensor-parallel ranks, which push their own KV
+        heads when the decode worker's ranks can take them so (:mod:`.rank_push`)."""
         self.engine = engine
+        self.ranks = ranks
         self.ctx = ctx
         self.transfer_timeout_s = transfer_timeout_s
         self._senders: dict[str, SenderBackend] = {}
@@ -121,7 +127,12 @@ class PrefillRunner:
         backend_name = handle.kv_backend or "grpc"
         try:
             backend = await asyncio.to_thread(self.sender_backend, backend_name)
-            sender: KVSender = await asyncio.to_thread(backend.open, target_from_handle(handle))
+            target = target_from_handle(handle)
+            heads = self.ctx.compat.kv_heads
+            own, push = range(heads), None  # every head: rank 0 gathers whole layers
+            if self.ranks is not None and self.ranks.direct(target):
+                own, push = self.ranks.own, PushOrder(target, backend_name)
+            sender: KVSender = await asyncio.to_thread(open_split, backend, target, own, heads)
         except (TransferError, ValueError, ImportError) as e:
             self._release_soon(handle, "prefill failed to open the push")
             raise RpcFailure(grpc.StatusCode.UNAVAILABLE, f"cannot push KV: {e}") from None
@@ -140,21 +151,34 @@ class PrefillRunner:
                 list(req.prompt_token_ids),
                 sampling,
                 send_layer if holds.directory else sender.send_layer,
+                push,
             )
         except BaseException as e:
             sender.abort(f"prefill failed: {e!r}")
             self._release_soon(handle, "prefill failed")
+            if push is not None:
+                self._forget_rank_answers(handle.lease_id)
             if isinstance(e, NoCapacity):
                 raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
             if isinstance(e, RequestError):
                 raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             raise
         t_compute = time.monotonic()
+        ranks_heard = push is None
         try:
             stats = await asyncio.to_thread(sender.finish, self.transfer_timeout_s)
+            if push is not None and self.ranks is not None:  # and every other rank's push
+                why = await asyncio.to_thread(
+                    self.ranks.wait_sent, handle.lease_id, self.transfer_timeout_s
+                )
+                ranks_heard = True
+                if why is not None:
+                    raise TransferError(why, "rank")
         except TransferError as e:
             self._failures.labels(backend_name, e.reason).inc()
             self._release_soon(handle, f"push failed: {e.reason}")
+            if not ranks_heard:
+                self._forget_rank_answers(handle.lease_id)
             raise RpcFailure(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {e}") from None
         self._bytes.labels(backend_name, "sent").inc(stats.bytes_sent)
         transfer_s = max(0.0, stats.done - (stats.first_send or t0))
@@ -189,6 +213,16 @@ class PrefillRunner:
             bytes_sent=stats.bytes_sent,
             num_cached_tokens=result.num_cached_tokens,
         )
+
+    def _forget_rank_answers(self, lease_id: str) -> None:
+        """A failed prefill whose ranks each pushed: their answers are still taken (off
+        the loop, once they come or the push's time is up), so none stays in the store."""
+        ranks = self.ranks
+        if ranks is None:
+            return
+        args = (lease_id, self.transfer_timeout_s)
+        name = f"splitserve-rank-answers-{lease_id}"
+        threading.Thread(target=ranks.wait_sent, args=args, daemon=True, name=name).start()
 
     def _release_soon(self, handle: pb.TransferHandle, reason: str) -> None:
         """Release on the decode worker in the background: the failed Prefill answers at

@@ -36,16 +36,18 @@ def start_ranked_engine(
     *,
     allreduce: str = "auto",
     env: dict[str, str] | None = None,
+    serve: Any = None,
 ) -> RankedEngine:
     """Start ranks ``1..world-1``, load rank 0's shard, join them and build the engine.
-    Whatever fails on the way stops the ranks already started."""
+    Whatever fails on the way stops the ranks already started. ``serve``: what the other
+    ranks serve besides forwards (:class:`~.rank_kv.RankKVSpec`: their KV ports)."""
     from transformers import AutoConfig
 
     # a model that cannot be split so is refused before any rank starts
     layout_of(AutoConfig.from_pretrained(str(resolve_model(model))), world, 0)
     device = pick_device(config.device)
     spec = RankSpec(model=model, dtype=config.dtype, device=device, allreduce=allreduce,
-                    engine=dataclasses.asdict(config))  # fmt: skip
+                    engine=dataclasses.asdict(config), serve=serve)  # fmt: skip
     ranks = RankProcesses(world, spec, env=env)
     try:
         dev = str(rank_device(device, 0))
