@@ -168,9 +168,13 @@ def test_an_edited_deployment_is_restored(
     after = deployment(kube_client, "demo-decode")
     assert after is not None
     assert after["metadata"]["labels"]["team"] == "kept"  # others' labels are left alone
-    events = kube.objects("v1/events", "default")
-    assert any(
-        e["reason"] == "Updated" and "Deployment/demo-decode" in e["message"] for e in events
+    # the Event follows the apply that restored the Deployment
+    wait_for(
+        lambda: any(
+            e["reason"] == "Updated" and "Deployment/demo-decode" in e["message"]
+            for e in kube.objects("v1/events", "default")
+        ),
+        message="an Updated Event for the restored Deployment",
     )
 
 

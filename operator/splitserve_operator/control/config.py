@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from splitserve_operator.control.autoscaling.config import AutoscaleConfig
-from splitserve_operator.render.names import LABEL_MANAGED_BY, MANAGED_BY
+from splitserve_operator.render.names import API_VERSION, KIND, LABEL_MANAGED_BY, MANAGED_BY
 
 if TYPE_CHECKING:
     import kopf
@@ -108,6 +108,8 @@ class OperatorConfig:
     def kopf_settings(self) -> kopf.OperatorSettings:
         import kopf  # here, so that `splitserve --help` does not load kopf
 
+        from splitserve_operator.control.diffbase import LeanDiffBase
+
         settings = kopf.OperatorSettings()
         settings.peering.standalone = True
         settings.scanning.disabled = True
@@ -122,8 +124,10 @@ class OperatorConfig:
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
             prefix=self.annotation_prefix
         )
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix=self.annotation_prefix, key="last-handled-configuration"
+        settings.persistence.diffbase_storage = LeanDiffBase(
+            prefix=self.annotation_prefix,
+            key="last-handled-configuration",
+            changing_kinds=[(API_VERSION, KIND)],
         )
         # Server-side filtering: kopf's `labels=` on a handler filters after the API server
         # sent everything; a label selector on the watch itself makes the server filter.

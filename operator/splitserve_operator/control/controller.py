@@ -141,7 +141,7 @@ class Controller:
         if not isinstance(instance, str) or component not in {p.value for p in Pool}:
             return None
         key = (str(meta.get("namespace") or ""), instance)
-        owner = self.cache.get(key)
+        owner = self.cache.peek(key)
         if owner is None:
             return None
         owner_uid = str(as_map(owner.get("metadata")).get("uid"))
