@@ -92,8 +92,9 @@ class OperatorConfig:
     failures and drops one "handler succeeded" Event per change."""
 
     annotation_prefix: str = "kopf.splitserve.io"
-    """Where kopf keeps its last-handled state on each resource (annotations only: the
-    CRD's status schema is ours alone)."""
+    """Where kopf would keep its last-handled state on each resource (annotations only: the
+    CRD's status schema is ours alone). The handlers are level-triggered (no kopf change
+    handler), so kopf writes none; an older version's annotations stay unread."""
 
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     """The planner's loop: timer resolution, PromQL windows, the operator's metrics
