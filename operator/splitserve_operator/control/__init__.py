@@ -1,4 +1,5 @@
-"""Control: all of the operator's I/O. kopf registrations (:mod:`.handlers`), the
+"""Control: all of the operator's I/O. kopf registrations (:mod:`.handlers`) and what kopf
+remembers of each object to detect changes (:mod:`.diffbase`), the
 controller that routes each trigger (:mod:`.controller`, :mod:`.cache`,
 :mod:`.serializer`, :mod:`.backoff`), one reconcile with server-side apply
 (:mod:`.reconciler`, :mod:`.outcome`, :mod:`.bodies`, and :mod:`.ownership`: what a

@@ -67,6 +67,13 @@ class ServiceCache:
             body = self._bodies.get(key)
         return copy.deepcopy(body) if body is not None else None
 
+    def peek(self, key: Key) -> Mapping[str, Any] | None:
+        """The cached body itself, not a copy: read it, never change it. For the checks
+        that run on every child event (a copy of a whole body each time adds up). Safe to
+        keep: the cache replaces a body, it never changes one in place."""
+        with self._lock:
+            return self._bodies.get(key)
+
     def keys(self) -> list[Key]:
         with self._lock:
             return list(self._bodies)

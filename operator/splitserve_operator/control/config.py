@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from splitserve_operator.control.autoscaling.config import AutoscaleConfig
-from splitserve_operator.render.names import LABEL_MANAGED_BY, MANAGED_BY
+from splitserve_operator.render.names import API_VERSION, KIND, LABEL_MANAGED_BY, MANAGED_BY
 
 if TYPE_CHECKING:
     import kopf
@@ -92,8 +92,9 @@ class OperatorConfig:
     failures and drops one "handler succeeded" Event per change."""
 
     annotation_prefix: str = "kopf.splitserve.io"
-    """Where kopf keeps its last-handled state on each resource (annotations only: the
-    CRD's status schema is ours alone)."""
+    """Where kopf would keep its last-handled state on each resource (annotations only: the
+    CRD's status schema is ours alone). The handlers are level-triggered (no kopf change
+    handler), so kopf writes none; an older version's annotations stay unread."""
 
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     """The planner's loop: timer resolution, PromQL windows, the operator's metrics
@@ -107,6 +108,8 @@ class OperatorConfig:
 
     def kopf_settings(self) -> kopf.OperatorSettings:
         import kopf  # here, so that `splitserve --help` does not load kopf
+
+        from splitserve_operator.control.diffbase import LeanDiffBase
 
         settings = kopf.OperatorSettings()
         settings.peering.standalone = True
@@ -122,8 +125,10 @@ class OperatorConfig:
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
             prefix=self.annotation_prefix
         )
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix=self.annotation_prefix, key="last-handled-configuration"
+        settings.persistence.diffbase_storage = LeanDiffBase(
+            prefix=self.annotation_prefix,
+            key="last-handled-configuration",
+            changing_kinds=[(API_VERSION, KIND)],
         )
         # Server-side filtering: kopf's `labels=` on a handler filters after the API server
         # sent everything; a label selector on the watch itself makes the server filter.

@@ -131,6 +131,22 @@ class Controller:
     def on_service_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         self.observe_service(event_type, body)
 
+    @staticmethod
+    def wants_reconcile(event_type: str | None, body: Mapping[str, Any]) -> bool:
+        """Whether this InferenceService event calls for a reconcile (no I/O): the watch
+        lists it (``event_type`` None: the operator starts, or leads, or relists), or its
+        status has not observed its spec's generation yet (made, or its spec changed). The
+        echo of the operator's own status write, and one being deleted, do not."""
+        if event_type == "DELETED":
+            return False
+        meta = as_map(body.get("metadata"))
+        if meta.get("deletionTimestamp"):
+            return False
+        if event_type is None:
+            return True
+        observed = as_map(body.get("status")).get("observedGeneration")
+        return observed is None or observed != meta.get("generation")
+
     # -- children: Deployments and WorkerPools ----------------------------------------
 
     def _owner(self, child: Mapping[str, Any]) -> tuple[Key, Mapping[str, Any], Pool] | None:
@@ -141,7 +157,7 @@ class Controller:
         if not isinstance(instance, str) or component not in {p.value for p in Pool}:
             return None
         key = (str(meta.get("namespace") or ""), instance)
-        owner = self.cache.get(key)
+        owner = self.cache.peek(key)
         if owner is None:
             return None
         owner_uid = str(as_map(owner.get("metadata")).get("uid"))

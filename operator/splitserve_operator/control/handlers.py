@@ -15,7 +15,6 @@ until it returns, which it does once this replica holds the lease.
 from __future__ import annotations
 
 import asyncio
-import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,9 +23,7 @@ import kubernetes.client
 
 from splitserve_operator.api.fields import as_map
 from splitserve_operator.api.values import GROUP
-from splitserve_operator.control.backoff import Backoff
 from splitserve_operator.control.controller import Controller
-from splitserve_operator.control.outcome import RetryLater
 from splitserve_operator.render.names import PLURAL, POOL_PLURAL, VERSION
 
 
@@ -52,10 +49,6 @@ def connection_info(configuration: kubernetes.client.Configuration) -> kopf.Conn
     )
 
 
-def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
-    return copy.deepcopy(dict(body))
-
-
 def _raw(event: Mapping[str, Any]) -> Mapping[str, Any]:
     """The object of a raw watch event (read only: nothing here mutates it)."""
     return as_map(event.get("object"))
@@ -66,13 +59,11 @@ def build_registry(
     *,
     lead: Callable[[], bool] = lambda: True,
     step_down: Callable[[], None] = lambda: None,
-    backoff: Backoff | None = None,
 ) -> kopf.OperatorRegistry:
     """``lead``: blocks until this replica may act (False: it is stopping); ``step_down``:
     stops what ``lead`` started, when kopf stops."""
     registry = kopf.OperatorRegistry()
     services = {"group": GROUP, "version": VERSION, "plural": PLURAL, "registry": registry}
-    retries = backoff or controller.backoff
 
     @kopf.on.startup(registry=registry)
     async def take_the_lead(**_: Any) -> None:
@@ -90,19 +81,16 @@ def build_registry(
     # The event handlers run on kopf's loop (no thread hop per event): their common path
     # is a cache update or a comparison; only a needed reconcile goes to a thread.
 
+    # Level-triggered: an InferenceService is reconciled when its status has not observed
+    # its spec's generation, or when the watch lists it (start, restart, new leader). No
+    # kopf change handler, so kopf writes no state of its own on the object (a request
+    # and a watch event less per change); retries back off in the controller.
     @kopf.on.event(**services)  # type: ignore[arg-type]
     async def service_event(event: Mapping[str, Any], **_: Any) -> None:
-        controller.observe_service(event.get("type"), _raw(event))
-
-    @kopf.on.resume(**services)  # type: ignore[arg-type]
-    @kopf.on.create(**services)  # type: ignore[arg-type]
-    @kopf.on.update(**services)  # type: ignore[arg-type]
-    def reconcile(body: kopf.Body, retry: int, **_: Any) -> None:
-        try:
-            controller.reconcile(_plain(body))
-        except RetryLater as exc:
-            delay = retries.delay(retry, retry_after=exc.retry_after)
-            raise kopf.TemporaryError(str(exc), delay=delay) from exc
+        body = _raw(event)
+        key = controller.observe_service(event.get("type"), body)
+        if controller.wants_reconcile(event.get("type"), body):
+            await asyncio.get_running_loop().run_in_executor(None, controller.nudge, key)
 
     # Only the operator's Deployments reach this handler: the watch carries a label
     # selector (settings.watching.label_selectors, see OperatorConfig.kopf_settings), so

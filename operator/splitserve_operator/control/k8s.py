@@ -2,7 +2,10 @@
 
 Built on the official ``kubernetes`` client's transport (its configuration,
 TLS, auth and connection pool), with plain dicts in and out: the operator
-works on manifests, and skipping the client's model classes keeps it fast.
+works on manifests, and skipping the client's model classes keeps it fast. A request
+goes straight to the client's urllib3 connection pool for the API server, with the
+client's own auth headers and the body encoded once (the client's generic request path
+walks every body to sanitise it and routes each URL through the pool manager again).
 
 Objects are written with server-side apply (:meth:`KubeClient.apply`: ``PATCH`` with
 ``application/apply-patch+yaml``, a ``fieldManager`` and ``force``), each writer under a
@@ -22,13 +25,14 @@ import json
 import logging
 import secrets
 import threading
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import kubernetes.client
 import kubernetes.config
-from kubernetes.client.exceptions import ApiException
+import urllib3
 
 from splitserve_operator.api.fields import timestamp
 from splitserve_operator.render.names import (
@@ -238,6 +242,15 @@ class KubeClient:
         self.api = kubernetes.client.ApiClient(configuration)
         self.api.user_agent = user_agent
         self.timeout = timeout
+        self._timeout = urllib3.Timeout(total=timeout)
+        # One pool for the API server, addressed by path (below any path prefix of the
+        # host URL); through a proxy, the pool manager builds each request.
+        self._pool: urllib3.HTTPConnectionPool | None = (
+            None
+            if configuration.proxy
+            else self.api.rest_client.pool_manager.connection_from_url(configuration.host)
+        )
+        self._prefix = (urllib3.util.parse_url(configuration.host).path or "").rstrip("/")
         self.component = component
         self.calls: collections.Counter[str] = collections.Counter()
         """Requests sent, by HTTP method (what a reconcile costs the API server)."""
@@ -270,30 +283,27 @@ class KubeClient:
         with self._calls_lock:
             self.calls[method] += 1
         headers = {"Accept": "application/json", "Content-Type": content_type}
+        headers.update(self.api.default_headers)
+        self.api.update_params_for_auth(headers, None, ["BearerToken"], path, method, None)
+        target = path + ("?" + urllib.parse.urlencode(query) if query else "")
+        data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
         try:
-            _method, url, headers, body, _post = self.api.param_serialize(
-                method,
-                path,
-                query_params=query or [],
-                header_params=headers,
-                body=body,
-                auth_settings=["BearerToken"],
-            )
-            response = self.api.call_api(
-                method, url, header_params=headers, body=body, _request_timeout=self.timeout
-            )
-            response.read()
-        except ApiException as exc:
-            raise _error(exc.status or 0, exc.body, exc.headers) from exc
+            if self._pool is not None:
+                response = self._pool.urlopen(
+                    method, self._prefix + target, body=data, headers=headers,
+                    timeout=self._timeout, redirect=False,
+                )  # fmt: skip
+            else:
+                response = self.api.rest_client.pool_manager.request(
+                    method, self.configuration.host + target, body=data, headers=headers,
+                    timeout=self._timeout, redirect=False,
+                )  # fmt: skip
         except OSError as exc:  # connection refused/reset, timeouts (urllib3 errors are OSError)
             raise ApiError(0, type(exc).__name__, str(exc)) from exc
-        except Exception as exc:
-            # urllib3's MaxRetryError/ProtocolError are not all OSErrors.
-            if type(exc).__module__.startswith("urllib3"):
-                raise ApiError(0, type(exc).__name__, str(exc)) from exc
-            raise
+        except urllib3.exceptions.HTTPError as exc:  # MaxRetryError, ProtocolError, ...
+            raise ApiError(0, type(exc).__name__, str(exc)) from exc
         if not 200 <= response.status <= 299:
-            raise _error(response.status, response.data, response.getheaders())
+            raise _error(response.status, response.data, response.headers)
         if not response.data:
             return {}, response.status
         doc = json.loads(response.data)

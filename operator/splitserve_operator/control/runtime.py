@@ -145,9 +145,7 @@ def build(
         elector=elector,
         heartbeats=heartbeats,
     )
-    operator.registry = build_registry(
-        controller, lead=operator.lead, step_down=operator.step_down, backoff=backoff
-    )
+    operator.registry = build_registry(controller, lead=operator.lead, step_down=operator.step_down)
     operator.settings = config.kopf_settings()
     return operator
 

@@ -46,8 +46,11 @@ class AutoscalingLoop:
         started = 0
         keys = self.cache.keys()
         for key in keys:
-            body = self.cache.get(key)
-            if body is None or not self.autoscaler.due(body):
+            seen = self.cache.peek(key)  # read only: most services are not due
+            if seen is None or not self.autoscaler.due(seen):
+                continue
+            body = self.cache.get(key)  # the tick's own copy
+            if body is None:
                 continue
             with self._lock:
                 if key in self._running:
