@@ -20,6 +20,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -104,22 +105,40 @@ class RankProcesses:
         if lost is not None:
             callback(lost)
 
+    def check(self, within_s: float = 0.0) -> str | None:
+        """Look at the rank processes (for up to ``within_s`` until one has exited): the
+        first that has exited while the worker is not stopping is lost (every ``on_lost``
+        callback hears it, once). Returns how the lost rank ended, if one is. The watcher
+        calls this every ``POLL_S``; an error that a lost rank causes elsewhere (a
+        collective whose peer closed) calls it with a short wait, since the peer's sockets
+        close a moment before its exit can be seen, so that the worker says which rank
+        went rather than only what failed."""
+        deadline = time.monotonic() + within_s
+        while (why := self._poll()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return why
+
+    def _poll(self) -> str | None:
+        for rank, p in enumerate(self.procs, start=1):
+            code = p.poll()
+            if code is None:
+                continue
+            why = (f"tensor-parallel rank {rank} (pid {p.pid}) exited with status {code}; "
+                   f"the worker cannot run without its heads and must restart")  # fmt: skip
+            with self._lock:
+                if self.lost is not None or self._stopping.is_set():
+                    return self.lost
+                self.lost = why
+                callbacks = list(self._lost)
+            log.error("%s", why)
+            for cb in callbacks:
+                cb(why)
+            return why
+        return self.lost
+
     def _watch(self) -> None:
         while not self._stopping.wait(POLL_S):
-            for rank, p in enumerate(self.procs, start=1):
-                code = p.poll()
-                if code is None:
-                    continue
-                why = (f"tensor-parallel rank {rank} (pid {p.pid}) exited with status {code}; "
-                       f"the worker cannot run without its heads and must restart")  # fmt: skip
-                with self._lock:
-                    if self.lost is not None or self._stopping.is_set():
-                        return
-                    self.lost = why
-                    callbacks = list(self._lost)
-                log.error("%s", why)
-                for cb in callbacks:
-                    cb(why)
+            if self.check() is not None:
                 return
 
     def stop(self, grace_s: float = 10.0) -> None:

@@ -50,6 +50,10 @@ from splitserve_worker.server.tcp_sink import start_tcp_server
 
 log = logging.getLogger(__name__)
 
+RANK_EXIT_WAIT_S = 1.0
+"""How long a collective's failure waits to see which rank process exited, so that the
+worker names it (a peer's sockets close a moment before its exit shows)."""
+
 
 @dataclass
 class RunningWorker:
@@ -132,6 +136,8 @@ async def start_worker(
 
         def on_error(e: BaseException) -> None:  # on the engine thread
             if isinstance(e, RankLost):
+                if ranked is not None:  # a rank that has exited is named (it fails first)
+                    ranked.ranks.check(within_s=RANK_EXIT_WAIT_S)
                 device.fail(str(e))
             device.observe(e)
 
