@@ -39,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,8 @@ class Local:
     outcomes: list[Outcome] = field(default_factory=list)
     switches: list[tuple[float, str, str]] = field(default_factory=list)
     """(the monotonic clock when the switch was over, worker, new role)."""
+    decisions: list[tuple[float, str]] = field(default_factory=list)
+    """(the monotonic clock, the reason) of each tick of the rebalancer."""
     seconds: float = 0.0
 
     def attainment(self, ttft: float, tpot: float) -> float:
@@ -176,7 +179,7 @@ async def stack(model: Path, flex: bool, slo: tuple[float, float]) -> Any:
                 pool = service.pool
                 r = Rebalancer(service.metrics.registry, pool.snapshot, pool.mark_switching,
                                switch, set(address), settings)  # fmt: skip
-                loop_task = asyncio.create_task(r.run(halt))
+                loop_task = asyncio.create_task(watch(r, halt, settings.tick_s, local))
             yield f"http://127.0.0.1:{port}", local
         finally:
             halt.set()
@@ -189,6 +192,24 @@ async def stack(model: Path, flex: bool, slo: tuple[float, float]) -> Any:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(task, 10)
             await service.stop()
+
+
+async def watch(r: Any, halt: asyncio.Event, tick_s: float, local: Local) -> None:
+    """The rebalancer's own loop, keeping each tick's reason."""
+    while not halt.is_set():
+        local.decisions.append((time.monotonic(), r.tick().reason.value))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(halt.wait(), tick_s)
+
+
+def reasons(decisions: list[tuple[float, str]], starts: list[float], phase_s: float) -> str:
+    """How often each reason decided, phase by phase."""
+    out = []
+    for i, at in enumerate(starts):
+        seen = Counter(why for t, why in decisions if at <= t < at + phase_s)
+        kind = "prompts" if i % 2 == 0 else "answers"
+        out.append(f"{kind}: " + ", ".join(f"{why} {n}" for why, n in seen.most_common()))
+    return "; ".join(out)
 
 
 @dataclass(frozen=True)
@@ -303,6 +324,9 @@ async def local_bench(phase_s: float, rounds: int) -> dict[str, float]:
         after = [t for t, _, r in flex.switches if t >= at and r in wanted]
         waits.append(after[0] - at if after and after[0] < at + phase_s else math.inf)
     print(f"phase change to rebalanced split (s): {[round(w, 1) for w in waits]}", flush=True)
+    print(
+        f"the rebalancer's ticks by reason: {reasons(flex.decisions, starts, phase_s)}", flush=True
+    )
     return {"ratio": flex_att / static_att if static_att else math.inf,
             "rebalance_s": statistics.median(waits)}  # fmt: skip
 
