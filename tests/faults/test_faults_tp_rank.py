@@ -1,8 +1,9 @@
-"""A tensor-parallel rank other than 0 of a colocated or a decode worker is killed
-(``kill -9``) while 20 streams run: its worker fails visibly (it stops answering, exits
-with status 3 saying which rank went, and leaves no rank process), every request
-completes on the other worker with the right greedy tokens or ends with a clear error
-within the bound, and the survivors' free blocks come back to where they started."""
+"""A tensor-parallel rank other than 0 of a colocated or a decode worker (its KV handed
+over tcp or grpc) is killed (``kill -9``) while 20 streams run: its worker fails visibly
+(it stops answering, exits with status 3 saying which rank went, and leaves no rank
+process), every request completes on the other worker with the right greedy tokens or
+ends with a clear error within the bound, and the survivors' free blocks come back to
+where they started."""
 
 from __future__ import annotations
 
@@ -29,18 +30,21 @@ STACKS = {
     # worker) beside a colocated worker of one
     "decode": ([Role.PREFILL, Role.DECODE, Role.BOTH], {Role.DECODE: 2}, 1, 2),
 }
+BACKENDS = {"colocated": ("tcp",), "decode": ("tcp", "grpc")}
+"""The KV backends each stack runs with (its router asks them of decode workers): the
+split decode pool over both that reach its ranks."""
 
 
-@pytest.mark.parametrize("kind", sorted(STACKS))
+@pytest.mark.parametrize(("kind", "backend"), [(k, b) for k in sorted(STACKS) for b in BACKENDS[k]])
 def test_a_killed_rank_takes_its_worker_down_and_requests_finish_elsewhere(
-    stack_factory: Any, kit: Any, tiny_model_path: Path, kind: str
+    stack_factory: Any, kit: Any, tiny_model_path: Path, kind: str, backend: str
 ) -> None:
     roles, tp, tp_worker, other = STACKS[kind]
-    router_config = kit.router_config
+    router_config = {**kit.router_config, "kv_backend": backend}
     if kind == "colocated":
         # the only prefill-capable worker goes: a request waiting for a prefill slot then
         # is refused (a clear error, allowed here) after a short wait rather than the default
-        router_config = {**kit.router_config, "queues": {"max_wait_s": 5.0}}
+        router_config = {**router_config, "queues": {"max_wait_s": 5.0}}
     s = stack_factory(tiny_model_path, roles, tensor_parallel=tp, router_config=router_config)
     worker = s.procs.procs[tp_worker].proc
     (rank1,) = child_pids(worker.pid)

@@ -441,22 +441,26 @@ def test_admission_refuses_a_tensor_parallel_size_that_does_not_divide_gpus(
     assert status["status"]["observedGeneration"] == 1
 
 
-def test_admission_takes_a_decode_pool_of_several_ranks_over_tcp_only(
+def test_admission_takes_a_decode_pool_of_several_ranks_over_tcp_or_grpc_only(
     admitting_client, inference_service
 ) -> None:
-    """Each rank of a decode worker receives its own KV heads over tcp: ``gpus: 2`` (two
-    ranks by default) or an explicit ``tensorParallelSize: 2`` with another backend is
-    refused with what to set; over tcp the same pool is taken."""
+    """Each rank of a decode worker receives its own KV heads over tcp or grpc: ``gpus:
+    2`` (two ranks by default) or an explicit ``tensorParallelSize: 2`` with nixl is
+    refused with what to set; over tcp or grpc the same pool is taken."""
     client = admitting_client
-    grpc_kv = {"backend": "grpc"}
+    nixl_kv = {"backend": "nixl"}
     for decode in ({"gpus": 2}, {"gpus": 2, "tensorParallelSize": 2}):
         with pytest.raises(Invalid) as exc:
-            client.create(inference_service("dtp", decode=decode, kvTransfer=grpc_kv))
+            client.create(inference_service("dtp", decode=decode, kvTransfer=nixl_kv))
         assert exc.value.status == 422
-        assert "KV heads over tcp: set kvTransfer.backend: tcp" in str(exc.value), exc.value
+        said = "KV heads over tcp or grpc, not nixl: set kvTransfer.backend: tcp (or grpc)"
+        assert said in " ".join(str(exc.value).split()), exc.value
         assert client.get(INFERENCE_SERVICE, "default", "dtp") is None
     made = client.create(inference_service("dtp", prefill={"gpus": 2}, decode={"gpus": 2}))
     assert made["spec"]["decode"]["gpus"] == 2
-    with pytest.raises(Invalid):  # nor can a patch take it to grpc
-        client.patch(INFERENCE_SERVICE, "default", "dtp", {"spec": {"kvTransfer": grpc_kv}})
+    with pytest.raises(Invalid):  # nor can a patch take it to nixl
+        client.patch(INFERENCE_SERVICE, "default", "dtp", {"spec": {"kvTransfer": nixl_kv}})
     assert client.get(INFERENCE_SERVICE, "default", "dtp") == made
+    grpc_kv = {"spec": {"kvTransfer": {"backend": "grpc"}}}
+    taken = client.patch(INFERENCE_SERVICE, "default", "dtp", grpc_kv)
+    assert taken["spec"]["kvTransfer"]["backend"] == "grpc"

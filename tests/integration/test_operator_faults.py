@@ -98,9 +98,10 @@ INVALID: list[tuple[str, Any, str]] = [
     ("affinity-as-list", _spec(decode__affinity=[{"nodeAffinity": {}}]), "spec.decode.affinity"),
     ("unknown-field", _spec(turbo=True), "spec.turbo: Extra inputs are not permitted"),
     (
-        "decode-tp",  # a decode worker of 2 ranks over grpc would exit: refused before any pod
-        _spec(decode__gpus=2, kvTransfer__backend="grpc"),
-        "KV heads over tcp, not grpc: set kvTransfer.backend: tcp, or decode.tensorParallelSize: 1",
+        "decode-tp",  # a decode worker of 2 ranks over nixl would exit: refused before any pod
+        _spec(decode__gpus=2, kvTransfer__backend="nixl"),
+        "KV heads over tcp or grpc, not nixl: set kvTransfer.backend: tcp (or grpc), or "
+        "decode.tensorParallelSize: 1",
     ),
     ("Bad.Name", copy.deepcopy(VALID), "metadata.name"),
     ("x" * 60, copy.deepcopy(VALID), "at most 48 characters"),

@@ -1,9 +1,11 @@
 """Tensor-parallel workers through the router's API: prefill and decode workers of any
-tensor-parallel sizes (P(TP2)->D(TP1), P(TP1)->D(TP2), P(TP2)->D(TP2)) and a colocated
-worker over two ranks give transformers' greedy tokens, and the same seeded samples as
-each other; a decode worker over two ranks gets each rank's heads straight into that
-rank's pool, its blocks all come back, and a backend that cannot reach its ranks is
-refused at Reserve; the ranks' processes end with their worker."""
+tensor-parallel sizes (P(TP2)->D(TP1), P(TP1)->D(TP2), P(TP2)->D(TP2)), over tcp and
+over grpc, and a colocated worker over two ranks give transformers' greedy tokens, and
+the same seeded samples as each other; a decode worker over two ranks gets each rank's
+heads straight into that rank's pool (a port per rank and backend), its blocks all come
+back, a backend that cannot reach its ranks is refused at Reserve, and a rank's own
+gRPC port refuses a push without the worker token or into a lease it does not hold,
+leaving the free blocks as they were; the ranks' processes end with their worker."""
 
 from __future__ import annotations
 
@@ -11,16 +13,23 @@ import asyncio
 import os
 import secrets
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+import torch
 from splitserve.roles import Role
+from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.client import WorkerClient
 from splitserve_worker.commands.up import WorkerProcs
+from splitserve_worker.kv.grpc_sender import GrpcSenderBackend, push_address
 from splitserve_worker.kv.tcp_wire import parse_metadata
+from splitserve_worker.kv.transport import BackendContext, TransferError
+from splitserve_worker.models import torch_dtype
 from splitserve_worker.router.discovery import WorkerEndpoint
+from splitserve_worker.server.convert import compat_from_proto, target_from_handle
 from stack_kit import (  # noqa: F401  (fixtures)
     ALWAYS_REMOTE,
     PROMPTS,
@@ -81,7 +90,10 @@ def _blocks(ep: WorkerEndpoint) -> tuple[int, int, int]:
 
 @pytest.mark.parametrize(
     ("pair", "backend"),
-    [("p2d1", "tcp"), ("p2d1", "grpc"), ("p1d2", "tcp"), ("p2d2", "tcp"), ("colocated", "tcp")],
+    [
+        *((pair, backend) for pair in ("p2d1", "p1d2", "p2d2") for backend in ("tcp", "grpc")),
+        ("colocated", "tcp"),
+    ],
 )
 def test_tp_stacks_give_transformers_greedy_tokens(
     pair: str, backend: str, tp_workers: Any, tokenizer: Any, reference: list[list[int]]
@@ -123,18 +135,76 @@ def test_a_split_decode_pool_names_its_ranks_and_refuses_what_cannot_reach_them(
         assert heads == [(0, 0, compat.kv_heads // 2), (1, compat.kv_heads // 2, compat.kv_heads)]
         assert len({r.backend_metadata for r in h.kv_ranks}) == 2  # a port per rank
         await d2.release("ranks-tcp")
+        g = await d2.reserve("ranks-grpc", 40, compat, kv_backend="grpc")
+        assert [(r.rank, r.kv_head_start, r.kv_head_stop) for r in g.kv_ranks] == heads
+        # rank 0 on the worker's own gRPC port, rank 1 on a port of its own
+        assert g.kv_ranks[0].backend_metadata == b"" and g.kv_ranks[1].backend_metadata
+        await d2.release("ranks-grpc")
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await d2.reserve("ranks-grpc", 40, compat, kv_backend="grpc")
-        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "2 tensor-parallel ranks (tp2-kv" in (e.value.details() or "")
+            await d2.reserve("ranks-nixl", 40, compat, kv_backend="nixl")
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not 'nixl'" in (e.value.details() or "")
         h2 = await d2.health()
         assert (h2.free_blocks, h2.leases) == (free, 0)
 
     asyncio.run(go())
 
 
+def _push_rank(handle: pb.TransferHandle, rank: int, token: str) -> str:
+    """Push every layer of the handle's prompt, rank ``rank``'s heads, straight to that
+    rank over grpc with ``token``: how it ended (``ok`` or the error)."""
+    compat = compat_from_proto(handle.compat)
+    r = handle.kv_ranks[rank]
+    target = replace(target_from_handle(handle), kv_ranks=(),
+                     backend_metadata=r.backend_metadata)  # fmt: skip
+    shape = (handle.num_prompt_tokens, r.kv_head_stop - r.kv_head_start, compat.head_dim)
+    backend = GrpcSenderBackend(BackendContext(compat=compat, token=token, streams=1))
+    try:
+        sender = backend.open(target)
+        for layer in range(compat.num_layers):
+            kv = torch.ones(shape, dtype=torch_dtype(compat.dtype))
+            sender.send_layer(layer, kv, kv, 0)
+        sender.finish(30)
+        return "ok"
+    except TransferError as e:
+        return str(e)
+    finally:
+        backend.close()
+
+
+def test_a_rank_refuses_grpc_pushes_without_the_token_or_into_a_lease_it_does_not_hold(
+    tp_workers: Any,
+) -> None:
+    async def go() -> None:
+        d2 = WorkerClient(tp_workers["d2"].address, TOKEN)
+        compat = (await d2.health()).compat
+        start = await d2.health()
+        h = await d2.reserve("rank-refusals", 12, compat, kv_backend="grpc")
+        said = await asyncio.to_thread(_push_rank, h, 1, "not-the-token")
+        assert "UNAUTHENTICATED: missing or wrong worker token" in said, said
+        stranger = pb.TransferHandle()
+        stranger.CopyFrom(h)
+        stranger.lease_id = "0" * 16  # a lease no rank holds
+        said = await asyncio.to_thread(_push_rank, stranger, 1, TOKEN)
+        assert "NOT_FOUND" in said and "holds lease" in said, said
+        await d2.release("rank-refusals")
+        said = await asyncio.to_thread(_push_rank, h, 1, TOKEN)  # released: no longer held
+        assert "NOT_FOUND" in said and "no reservation for request" in said, said
+        end = await d2.health()
+        assert (end.free_blocks, end.leases) == (start.free_blocks, 0)
+        # a lease it holds, with the token, is taken (and released again)
+        h = await d2.reserve("rank-accepts", 12, compat, kv_backend="grpc")
+        assert await asyncio.to_thread(_push_rank, h, 1, TOKEN) == "ok"
+        await d2.release("rank-accepts")
+        end = await d2.health()
+        assert (end.free_blocks, end.leases) == (start.free_blocks, 0)
+
+    asyncio.run(go())
+
+
 def _tcp_peers(pid: int) -> set[int]:
-    """The remote ports of the established TCP connections process ``pid`` holds."""
+    """The remote ports of the established TCP connections process ``pid`` holds (IPv6
+    ones too: grpcio's sockets are dual-stack, 127.0.0.1 as a v4-mapped address)."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
@@ -144,26 +214,32 @@ def _tcp_peers(pid: int) -> set[int]:
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
     ports = set()
-    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
-        f = line.split()
-        if f[3] == "01" and f[9] in inodes:  # ESTABLISHED
-            ports.add(int(f[2].split(":")[1], 16))
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "01" and f[9] in inodes:  # ESTABLISHED
+                ports.add(int(f[2].split(":")[1], 16))
     return ports
 
 
+@pytest.mark.parametrize("backend", ["tcp", "grpc"])
 def test_each_prefill_rank_pushes_its_heads_to_each_decode_rank_itself(
-    tp_workers: Any, tokenizer: Any, reference: list[list[int]]
+    tp_workers: Any, tokenizer: Any, reference: list[list[int]], backend: str
 ) -> None:
     async def rank_ports() -> list[int]:
         d2 = WorkerClient(tp_workers["d2"].address, TOKEN)
         compat = (await d2.health()).compat
-        h = await d2.reserve("ports", 8, compat, kv_backend="tcp")
+        h = await d2.reserve("ports", 8, compat, kv_backend=backend)
         await d2.release("ports")
+        if backend == "grpc":  # rank 0's on the worker's own gRPC port, rank 1's its own
+            target = target_from_handle(h)
+            return [int(push_address(replace(target, backend_metadata=r.backend_metadata))
+                        .rpartition(":")[2]) for r in h.kv_ranks]  # fmt: skip
         return [parse_metadata(r.backend_metadata)[0] for r in h.kv_ranks]
 
     ports = asyncio.run(rank_ports())
     with router(TOKEN, tokenizer, _stack(tp_workers, "p2d2"), disaggregation=ALWAYS_REMOTE,
-                kv_backend="tcp") as base:  # fmt: skip
+                kv_backend=backend) as base:  # fmt: skip
         assert complete(base, PROMPTS[0], stream=False) == reference[0]
     rank0 = PIDS["p2"]
     (rank1,) = child_pids(rank0)

@@ -1,13 +1,15 @@
-"""A push into a decode pool split over tensor-parallel ranks, over real tcp ports into
-each rank's own pool: every rank gets exactly its KV heads (replicated heads to each
-of their ranks), a sender holding only some heads pushes only to the ranks that hold
-them, each rank says in the worker's store when its part is whole, and a layout that
-loses heads is refused before anything is sent."""
+"""A push into a decode pool split over tensor-parallel ranks, over each rank's own real
+tcp or gRPC port into its own pool: every rank gets exactly its KV heads (replicated
+heads to each of their ranks), a sender holding only some heads pushes only to the ranks
+that hold them, each rank says in the worker's store when its part is whole, a push over
+the other backend than the one reserved is refused, a rank's ports served over mutual TLS
+take no plain push, and a layout that loses heads is refused before anything is sent."""
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,12 +17,12 @@ import torch.distributed as dist
 from splitserve.kv_compat import Compat
 from splitserve.tls import TlsConfig
 from splitserve_worker.kv.head_split import check_cover, open_split, rank_parts
-from splitserve_worker.kv.tcp_sender import TcpSenderBackend
 from splitserve_worker.kv.transport import (
     BackendContext,
     RankTarget,
     TransferError,
     TransferTarget,
+    create_sender_backend,
 )
 from splitserve_worker.parallel.layout import TPLayout
 from splitserve_worker.server.rank_kv import (
@@ -31,6 +33,7 @@ from splitserve_worker.server.rank_kv import (
     placed_key,
     port_key,
 )
+from tls_kit import SERVER_NAME, make_tls_files
 
 TOKEN = "head-split-token"
 LAYERS, BLOCK, HD, NBLOCKS = 2, 4, 8, 8
@@ -56,9 +59,10 @@ def _compat(kv_heads: int) -> Compat:
     return Compat("m", "float32", BLOCK, LAYERS, kv_heads, HD, "test")
 
 
-def _ranks(store: object, kv_heads: int, world: int) -> tuple[list[RankReceiver], TPLayout]:
+def _ranks(store: object, kv_heads: int, world: int,
+           tls: TlsConfig | None = None) -> tuple[list[RankReceiver], TPLayout]:  # fmt: skip
     layout = TPLayout(world, 0, num_heads=4, num_kv_heads=kv_heads, intermediate_size=8)
-    spec = RankKVSpec("127.0.0.1", 0, TOKEN, TlsConfig())
+    spec = RankKVSpec("127.0.0.1", 0, TOKEN, tls or TlsConfig(), world)
     rxs = []
     for r in range(world):
         n = len(layout.kv_heads(r))
@@ -68,20 +72,25 @@ def _ranks(store: object, kv_heads: int, world: int) -> tuple[list[RankReceiver]
 
 
 def _push(store: object, rxs: list[RankReceiver], layout: TPLayout, own: range, k: torch.Tensor,
-          v: torch.Tensor, blocks: tuple[int, ...]) -> None:  # fmt: skip
+          v: torch.Tensor, blocks: tuple[int, ...], backend_name: str,
+          reserved: str | None = None, tls: TlsConfig | None = None) -> None:  # fmt: skip
+    """``reserved``: the backend the lease names (``backend_name`` unless said); ``tls``:
+    the sender's."""
     n = int(k.shape[1])  # [layers, tokens, heads, head_dim]
     group = Barrier()
     for rx in rxs:
-        assert rx.handle(ExpectKV("r1", "lease1", blocks, n, LAYERS), group)  # type: ignore[arg-type]
+        step = ExpectKV("r1", "lease1", blocks, n, LAYERS, reserved or backend_name)
+        assert rx.handle(step, group)  # type: ignore[arg-type]
     ranks = tuple(
         RankTarget(r, layout.kv_heads(r).start, layout.kv_heads(r).stop,
-                   bytes(store.get(port_key(r))))  # type: ignore[attr-defined]
+                   bytes(store.get(port_key(r, backend_name))))  # type: ignore[attr-defined]
         for r in range(layout.world)
     )  # fmt: skip
     compat = _compat(layout.num_kv_heads)
     target = TransferTarget("r1", "lease1", "127.0.0.1:1", blocks, n, compat.hash,
                             kv_ranks=ranks)  # fmt: skip
-    backend = TcpSenderBackend(BackendContext(compat=compat, token=TOKEN, streams=2))
+    ctx = BackendContext(compat=compat, token=TOKEN, streams=2, checksum_every=1, tls=tls)
+    backend = create_sender_backend(backend_name, ctx)
     try:
         sender = open_split(backend, target, own, layout.num_kv_heads)
         for layer in range(LAYERS):
@@ -94,14 +103,17 @@ def _push(store: object, rxs: list[RankReceiver], layout: TPLayout, own: range, 
         backend.close()
 
 
+@pytest.mark.parametrize("backend", ["tcp", "grpc"])
 @pytest.mark.parametrize(("kv_heads", "world"), [(4, 2), (2, 4), (4, 1)])
-def test_each_rank_gets_exactly_its_heads(store: object, kv_heads: int, world: int) -> None:
+def test_each_rank_gets_exactly_its_heads(
+    store: object, kv_heads: int, world: int, backend: str
+) -> None:
     rxs, layout = _ranks(store, kv_heads, world)
     try:
         n, blocks = 10, (5, 1, 6)
         k = torch.randn(LAYERS, n, kv_heads, HD)
         v = torch.randn(LAYERS, n, kv_heads, HD)
-        _push(store, rxs, layout, range(kv_heads), k, v, blocks)
+        _push(store, rxs, layout, range(kv_heads), k, v, blocks, backend)
         for r, rx in enumerate(rxs):
             heads = layout.kv_heads(r)
             lease = rx.leases.find("lease1")
@@ -119,17 +131,55 @@ def test_each_rank_gets_exactly_its_heads(store: object, kv_heads: int, world: i
             rx.close()
 
 
-def test_a_sender_with_some_heads_pushes_only_to_their_ranks(store: object) -> None:
+@pytest.mark.parametrize("backend", ["tcp", "grpc"])
+def test_a_sender_with_some_heads_pushes_only_to_their_ranks(store: object, backend: str) -> None:
     rxs, layout = _ranks(store, 4, 4)  # a head per rank
     try:
         n, blocks = 6, (2, 3)
         k = torch.randn(LAYERS, n, 2, HD)  # heads 2 and 3 only, as a prefill rank holds them
         v = torch.randn(LAYERS, n, 2, HD)
-        _push(store, rxs, layout, range(2, 4), k, v, blocks)
+        _push(store, rxs, layout, range(2, 4), k, v, blocks, backend)
         for r, rx in enumerate(rxs):
             lease = rx.leases.find("lease1")
             assert lease.complete == (r >= 2)
             assert lease.bytes_received == (2 * LAYERS * n * HD * 4 if r >= 2 else 0)
+    finally:
+        for rx in rxs:
+            rx.close()
+
+
+@pytest.mark.parametrize(("backend", "reserved"), [("tcp", "grpc"), ("grpc", "tcp")])
+def test_a_push_over_another_backend_than_reserved_is_refused(
+    store: object, backend: str, reserved: str
+) -> None:
+    rxs, layout = _ranks(store, 2, 2)
+    try:
+        k, v = torch.randn(LAYERS, 4, 2, HD), torch.randn(LAYERS, 4, 2, HD)
+        with pytest.raises(TransferError, match=f"reserved for '{reserved}', not {backend}"):
+            _push(store, rxs, layout, range(2), k, v, (0,), backend, reserved)
+        for rx in rxs:
+            assert rx.leases.find("lease1").bytes_received == 0
+    finally:
+        for rx in rxs:
+            rx.close()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "grpc"])
+def test_each_rank_serves_its_ports_over_mutual_tls_only(
+    store: object, tmp_path: Path, backend: str
+) -> None:
+    files = make_tls_files(tmp_path)
+    tls = files.config(server_name=SERVER_NAME, mutual=True)
+    rxs, layout = _ranks(store, 2, 2, tls)
+    try:
+        k, v = torch.randn(LAYERS, 4, 2, HD), torch.randn(LAYERS, 4, 2, HD)
+        with pytest.raises(TransferError):  # a plain sender: refused, nothing written
+            _push(store, rxs, layout, range(2), k, v, (0,), backend)
+        assert [rx.leases.find("lease1").bytes_received for rx in rxs] == [0, 0]
+        for rx in rxs:
+            assert rx.handle(ForgetKV("r1", "lease1"), Barrier())  # type: ignore[arg-type]
+        _push(store, rxs, layout, range(2), k, v, (0,), backend, tls=tls)
+        assert all(rx.leases.find("lease1").complete for rx in rxs)
     finally:
         for rx in rxs:
             rx.close()

@@ -337,12 +337,16 @@ def _model_cache() -> None:
 
 
 def _decode_tensor_parallel() -> None:
-    """A decode pool over several ranks renders them (over tcp; another backend is refused,
+    """A decode pool over several ranks renders them (over tcp or grpc; nixl is refused,
     saying what to set), and ``tensorParallelSize: 1`` on a pod of four GPUs renders one
     rank."""
-    with pytest.raises(SpecError, match=r"KV heads over tcp, not grpc: set kvTransfer"):
-        objects({"decode": {"gpus": 4, "tensorParallelSize": 2}, "kvTransfer": {"backend": "grpc"}})
-    two = objects({"decode": {"gpus": 4, "tensorParallelSize": 2}})
+    tp2 = {"gpus": 4, "tensorParallelSize": 2}
+    with pytest.raises(SpecError, match=r"KV heads over tcp or grpc, not nixl: set kvTransfer"):
+        objects({"decode": tp2, "kvTransfer": {"backend": "nixl"}})
+    over_grpc = objects({"decode": tp2, "kvTransfer": {"backend": "grpc"}})
+    assert arg(over_grpc, "decode", "--tensor-parallel-size") == "2"
+    assert arg(over_grpc, "decode", "--kv-backend") == "grpc"
+    two = objects({"decode": tp2})
     assert arg(two, "decode", "--tensor-parallel-size") == "2"
     assert "dshm" in {v["name"] for v in pod(two, "decode")["volumes"]}
     one = objects({"decode": {"gpus": 4, "tensorParallelSize": 1}})

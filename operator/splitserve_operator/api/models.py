@@ -39,6 +39,7 @@ from splitserve_operator.api.values import (
     MODEL_MOUNT,
     PVC_SOURCE,
     QUANTITY_PATTERN,
+    RANK_BACKENDS,
     SUBDOMAIN_PATTERN,
     URL_PATTERN,
     Dtype,
@@ -449,12 +450,12 @@ class InferenceServiceSpec(SpecModel):
             rank_pools.append(("flex", self.flex))
         backend = self.kv_transfer.backend
         for name, pool in rank_pools:
-            if pool.tensor_parallel > 1 and backend is not KvBackend.TCP:
+            if pool.tensor_parallel > 1 and backend not in RANK_BACKENDS:
                 raise ValueError(
                     f"{name} tensor parallelism {pool.tensor_parallel} ({_tp_source(pool)}): "
                     f"decode workers over several tensor-parallel ranks receive each rank's "
-                    f"KV heads over tcp, not {backend.value}: set kvTransfer.backend: tcp, "
-                    f"or {name}.tensorParallelSize: 1"
+                    f"KV heads over tcp or grpc, not {backend.value}: set kvTransfer.backend: "
+                    f"tcp (or grpc), or {name}.tensorParallelSize: 1"
                 )
         return self
 

@@ -59,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="port a decode worker receives tcp KV pushes on (0: any free port; Reserve "
-        "answers name it)",
+        "answers name it); over N tensor-parallel ranks, rank r > 0 takes tcp on this + r "
+        "and grpc on this + N - 1 + r",
     )
     p.add_argument(
         "--kv-backend",

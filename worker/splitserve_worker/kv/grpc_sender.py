@@ -6,6 +6,10 @@ whatever proxies speak gRPC. Each span is one ``KVLayer`` message, built in one 
 the K and V bytes (:func:`~.kvwire.encode`); grpcio copies it on its way, so this path
 moves bytes at a fraction of ``tcp``'s speed. A push runs as ``streams`` calls, each on a
 channel (a connection) of its own, the spans dealt to them in turn.
+
+A push goes to the decode worker's own gRPC port, unless the handle's
+``backend_metadata`` names another port on its host (:func:`rank_metadata`): that of a
+tensor-parallel rank of the decode worker that receives its KV heads itself.
 """
 
 from __future__ import annotations
@@ -39,6 +43,32 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
 ]
+
+
+PORT_KEY = "port"
+
+
+def rank_metadata(port: int) -> bytes:
+    """What a Reserve handle carries for a pool behind a gRPC port of its own on the
+    decode worker's host (a rank ``r > 0``'s); empty: the worker's own gRPC port."""
+    return f"{PORT_KEY}={port}".encode()
+
+
+def push_address(target: TransferTarget) -> str:
+    """Where a push to ``target`` goes: the decode worker's address, or the port its
+    ``backend_metadata`` names on that host. Raises TransferError ``handle`` if neither."""
+    if not target.decode_address:
+        raise TransferError("the handle names no decode worker address", "handle")
+    if not target.backend_metadata:
+        return target.decode_address
+    key, _, value = target.backend_metadata.decode("ascii", errors="replace").partition("=")
+    if key != PORT_KEY or not value.isdigit() or not 0 < int(value) < 65536:
+        raise TransferError(
+            f"the handle's grpc KV metadata is malformed: {target.backend_metadata[:40]!r}",
+            "handle",
+        )
+    host = target.decode_address.rpartition(":")[0]
+    return f"{host}:{int(value)}"
 
 
 def _encode(item: tuple[kvwire.KVSpan, tuple[memoryview | bytes, ...]]) -> bytes:
@@ -133,9 +163,8 @@ class GrpcSenderBackend:
         return ch
 
     def open(self, target: TransferTarget) -> SpanSender:
-        if not target.decode_address:
-            raise TransferError("the handle names no decode worker address", "handle")
-        streams = [GrpcStream(self._channel(target.decode_address, i), target, self._ctx.token)
+        address = push_address(target)
+        streams = [GrpcStream(self._channel(address, i), target, self._ctx.token)
                    for i in range(self.streams)]  # fmt: skip
         return SpanSender(target, self._ctx, list(streams), "grpc", self._staging, self._sampler)
 

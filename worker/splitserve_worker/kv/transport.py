@@ -132,6 +132,11 @@ class ReceiverBackend(Protocol):
     def close(self) -> None: ...
 
 
+SPAN_BACKENDS = ("tcp", "grpc")
+"""Backends whose spans arrive through the worker's own code (a push is open while a
+connection or call carries them; the others write into the blocks by themselves): the
+ones whose ports every tensor-parallel rank of a decode worker serves into its own pool."""
+
 MAX_STREAMS = 8
 """Most concurrent connections one push may use."""
 

@@ -2,7 +2,8 @@
 the decode side of the KV handoff (``handoff``, and ``tcp_sink``, the tcp KV port wired
 to it), the prefill side (``prefill``, which calls the decode worker's Commit and
 Release through the worker client), prefix-cache events, the token check (``auth``,
-before a call's message is read), each RPC's request size (``message_limits``), the
+before a call's message is read), the gRPC port every server binds (``grpc_listen``:
+rank 0's, and each other decode rank's own), each RPC's request size (``message_limits``), the
 device's health (``device_health``: CUDA there when asked for, sticky device errors, a
 lost tensor-parallel rank), a tensor-parallel engine and its rank processes (``ranks``),
 a decode worker's other ranks each receiving their own KV heads (``rank_kv``) and a

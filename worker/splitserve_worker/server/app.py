@@ -19,7 +19,6 @@ from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
-from splitserve.grpc_options import SERVER_OPTIONS
 from splitserve.kv_compat import Compat
 from splitserve.metric_registry import Metrics
 from splitserve.metric_server import MetricsServer, start_metrics_server
@@ -34,11 +33,11 @@ from splitserve_worker.kv.transport import (
 )
 from splitserve_worker.metrics import gpu as gpu_metrics
 from splitserve_worker.parallel.collectives import RankLost
-from splitserve_worker.server.auth import TokenAuthInterceptor
 from splitserve_worker.server.config import ROLES, WorkerConfig
 from splitserve_worker.server.device_health import DeviceHealth, require_device
 from splitserve_worker.server.errors import RpcFailure
 from splitserve_worker.server.events import EventHub
+from splitserve_worker.server.grpc_listen import listen
 from splitserve_worker.server.handoff import DecodeHandoff
 from splitserve_worker.server.pod_labels import follow_role_label
 from splitserve_worker.server.prefill import PrefillRunner
@@ -118,7 +117,8 @@ async def start_worker(
         if tp > 1:
             serve: list[Any] = []  # what every rank does besides forwards
             if config.serves_decode:  # receives its own KV heads
-                serve.append(RankKVSpec(config.host, config.kv_port, config.token, config.tls))
+                serve.append(RankKVSpec(config.host, config.kv_port, config.token, config.tls,
+                                        world=tp))  # fmt: skip
             if config.serves_prefill:  # pushes its own KV heads
                 serve.append(RankPushSpec(config.token, config.tls, config.kv_streams,
                                           config.checksums, config.checksum_every,
@@ -145,20 +145,7 @@ async def start_worker(
         stack.push_async_callback(aengine.close)
         compat = Compat.from_mapping(engine.compat_info())
 
-        server = grpc.aio.server(
-            interceptors=[TokenAuthInterceptor(config.token)], options=SERVER_OPTIONS
-        )
-        try:
-            bind = f"{config.host}:{config.port}"
-            if config.tls.serves:  # TLS only (mutual when configured): no plain port
-                port = server.add_secure_port(bind, config.tls.grpc_server_credentials())
-            else:
-                port = server.add_insecure_port(bind)
-        except RuntimeError:  # gRPC's "Failed to bind"
-            raise OSError(
-                f"cannot listen on {config.host}:{config.port}: the port is taken or the "
-                "address is not this host's; choose another --port or --host"
-            ) from None
+        server, port = listen(config.host, config.port, config.token, config.tls, "--port")
         serving = False
 
         async def close_server() -> None:

@@ -10,7 +10,7 @@ from typing import Literal
 from splitserve.tls import TlsConfig, TlsError
 
 from splitserve_worker.kv.faults import FaultConfig
-from splitserve_worker.kv.transport import MAX_STREAMS
+from splitserve_worker.kv.transport import MAX_STREAMS, SPAN_BACKENDS
 
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
@@ -62,7 +62,8 @@ class WorkerConfig:
     """Prometheus ``/metrics`` port; ``None`` serves no metrics."""
     kv_port: int = 0
     """Port of the decode side's ``tcp`` KV server; 0 picks a free one (Reserve answers
-    name it)."""
+    name it). A decode worker's other tensor-parallel ranks take the ports after it
+    (:func:`~.rank_kv.rank_port`)."""
     dtype: str = "auto"
     device: str | None = None
     kv_backend: str = "tcp"
@@ -168,11 +169,13 @@ class WorkerConfig:
                 f"--tp-allreduce must be one of {', '.join(TP_ALLREDUCE)}, "
                 f"got {self.tp_allreduce!r}"
             )
-        if self.tensor_parallel_size > 1 and self.serves_decode and self.kv_backend != "tcp":
+        tp = self.tensor_parallel_size
+        if tp > 1 and self.serves_decode and self.kv_backend not in SPAN_BACKENDS:
             raise ConfigError(
-                f"--tensor-parallel-size {self.tensor_parallel_size} with --role {self.role} "
-                f"takes --kv-backend tcp: each rank receives its own KV heads over tcp, not "
-                f"{self.kv_backend}; use --kv-backend tcp or --tensor-parallel-size 1"
+                f"--tensor-parallel-size {tp} with --role {self.role} takes --kv-backend "
+                f"{' or '.join(SPAN_BACKENDS)}: each rank receives its own KV heads on ports "
+                f"of its own, which {self.kv_backend} does not reach; use --kv-backend tcp "
+                "(or grpc), or --tensor-parallel-size 1"
             )
         try:  # the engine's own checks, said with the flags' names
             self.engine_config()

@@ -30,16 +30,13 @@ from splitserve_worker.kv.kvwire import KVSpan
 from splitserve_worker.kv.layout import PoolView, as_bytes
 from splitserve_worker.kv.lease import Lease, LeaseError, LeaseTable, State
 from splitserve_worker.kv.span_receiver import SpanReceiver
-from splitserve_worker.kv.transport import ReceiverBackend, TransferError
+from splitserve_worker.kv.transport import SPAN_BACKENDS, ReceiverBackend, TransferError
 from splitserve_worker.server.convert import compat_from_proto, compat_to_proto
 from splitserve_worker.server.errors import RpcFailure
 
 log = logging.getLogger(__name__)
 
 REAP_INTERVAL_S = 0.2
-SPAN_BACKENDS = ("tcp", "grpc")
-"""Backends whose spans arrive through this worker's own code (a push is open while a
-connection or call carries them); the others write into the blocks by themselves."""
 STALLED_PUSH_S = 5.0
 """A push that sent nothing this long past its lease's expiry loses the lease: its blocks
 are freed though the call is still open (its next message is refused)."""
@@ -54,13 +51,31 @@ class RankParts(Protocol):
 
     def check_backend(self, backend: str) -> None: ...
 
-    def handle_ranks(self, own_metadata: bytes) -> list[pb.KVRank]: ...
+    def handle_ranks(self, backend: str, own_metadata: bytes) -> list[pb.KVRank]: ...
 
     async def expect(self, lease: Lease) -> None: ...
 
     async def forget(self, lease: Lease) -> None: ...
 
     def wait_placed(self, lease: Lease, timeout: float) -> bool: ...
+
+
+def compat_mismatch(got: str, compat: Compat) -> RpcFailure:
+    """The refusal of a ``PushKV`` stream whose compat hash is ``got``, not ``compat``'s."""
+    return RpcFailure(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"KV stream compat hash {got[:16] or '(none)'} differs from this worker's "
+        f"{compat.hash[:16]} ({compat.model}, {compat.dtype}, block {compat.block_size}): "
+        "start both workers with the same model, --dtype and --block-size",
+    )
+
+
+def wrong_backend(lease: Lease, backend: str) -> RpcFailure:
+    """The refusal of a push over ``backend`` into ``lease``, reserved for another one."""
+    return RpcFailure(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"request {lease.request_id!r} was reserved for {lease.backend!r}, not {backend}",
+    )
 
 
 class _Awaited(asyncio.Event):
@@ -172,7 +187,7 @@ class DecodeHandoff:
             except BaseException:
                 await self.drop(req.request_id, "ranks")
                 raise
-            kv_ranks = self.ranks.handle_ranks(self.receivers[backend].backend_metadata())
+            kv_ranks = self.ranks.handle_ranks(backend, self.receivers[backend].backend_metadata())
         self._committed[req.request_id] = _Awaited()
         return pb.TransferHandle(
             request_id=req.request_id,
@@ -291,10 +306,7 @@ class DecodeHandoff:
 
     def _open(self, lease: Lease, backend: str) -> Lease:
         if lease.backend != backend:
-            raise RpcFailure(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"request {lease.request_id!r} was reserved for {lease.backend!r}, not {backend}",
-            )
+            raise wrong_backend(lease, backend)
         self._busy[lease.request_id] = self._busy.get(lease.request_id, 0) + 1
         return lease
 
@@ -305,13 +317,7 @@ class DecodeHandoff:
             raise RpcFailure(grpc.StatusCode.NOT_FOUND, str(e)) from None
         if msg.compat_hash != self.compat.hash:
             self._drop_soon(lease.request_id, "compat")
-            raise RpcFailure(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"KV stream compat hash {msg.compat_hash[:16] or '(none)'} differs from this "
-                f"worker's {self.compat.hash[:16]} ({self.compat.model}, {self.compat.dtype}, "
-                f"block {self.compat.block_size}): start both workers with the same model, "
-                "--dtype and --block-size",
-            )
+            raise compat_mismatch(msg.compat_hash, self.compat)
         return self._open(lease, "grpc")
 
     def _drop_soon(self, request_id: str, reason: str) -> None:

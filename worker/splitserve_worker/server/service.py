@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any, TypeVar
 
 import grpc
@@ -317,12 +317,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
 
 def add_to_server(
-    service: WorkerService, server: grpc.aio.Server, max_model_len: int | None = None
+    service: object,
+    server: grpc.aio.Server,
+    max_model_len: int | None = None,
+    methods: Collection[str] | None = None,
 ) -> None:
-    """Register every method of ``splitserve.v1.Worker`` like the generated code does, but
-    decode PushKV messages with :func:`kvwire.decode` (payload as a view, not a copy) and,
-    given ``max_model_len``, refuse each method's requests larger than it can hold
-    (:mod:`.message_limits`) before they are parsed."""
+    """Register every method of ``splitserve.v1.Worker`` (or only ``methods``: ``service``
+    implements those) like the generated code does, but decode PushKV messages with
+    :func:`kvwire.decode` (payload as a view, not a copy) and, given ``max_model_len``,
+    refuse each method's requests larger than it can hold (:mod:`.message_limits`) before
+    they are parsed."""
     from splitserve_worker.kv import kvwire
 
     limits = request_limits(max_model_len) if max_model_len is not None else None
@@ -336,6 +340,8 @@ def add_to_server(
         (True, True): grpc.stream_stream_rpc_method_handler,
     }
     for m in desc.methods:
+        if methods is not None and m.name not in methods:
+            continue
         request_cls = getattr(pb, m.input_type.name)
         response_cls = getattr(pb, m.output_type.name)
         deserialize = kvwire.decode if m.name == "PushKV" else request_cls.FromString
