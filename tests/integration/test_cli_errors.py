@@ -95,3 +95,8 @@ def test_a_tensor_parallel_size_the_model_or_role_cannot_take(tiny_model_path: P
          "--tensor-parallel-size must be >= 1")  # fmt: skip
     said(splitserve("up", "--model", str(tiny_model_path), "--port", "0", "--decode-tp", "0"), 1,
          "--decode-tp must be >= 1")  # fmt: skip
+    # refused before any worker starts, as the worker itself would refuse it
+    said(splitserve("up", "--model", str(tiny_model_path), "--port", "0", "--decode-tp", "2",
+                    "--kv-backend", "nixl"), 1, "--decode-tp 2 takes --kv-backend tcp or grpc: "
+                    "each rank receives its own KV heads on ports of its own, which nixl does "
+                    "not reach")  # fmt: skip
