@@ -6,10 +6,11 @@
   with each, the share of rank 0's decode time spent in all-reduces and the cost of one;
 - the handoff of a 2,000-token prompt: a ``splitserve worker --role prefill`` over two
   ranks (one thread each) against one over one rank (two threads), each pushing its KV
-  over tcp to the same one-rank decode worker: the Prefill call's time, its prefill
-  compute and the transfer still exposed after it (the best of ``--rounds``); and the
-  same two pushing to a decode worker over two ranks (one thread each), each of whose
-  ranks receives its own KV heads (from each prefill rank directly, over two ranks).
+  over tcp (or ``--kv-backend grpc``) to the same one-rank decode worker: the Prefill
+  call's time, its prefill compute and the transfer still exposed after it (the best of
+  ``--rounds``); and the same two pushing to a decode worker over two ranks (one thread
+  each), each of whose ranks receives its own KV heads (from each prefill rank
+  directly, over two ranks).
 
 The model is a random Llama built in place of SmolLM2-135M's size (30 layers, hidden
 576, an MLP of 1,536, vocabulary 49,152), with 8 query heads and 2 KV heads, which split
@@ -25,6 +26,7 @@ all-reduce that decoded faster; targets: >= 0.7 and <= 1.2 for the first two; th
 two are P(TP1)->D(TP2) and P(TP2)->D(TP2) against P(TP1)->D(TP1)).
 
     .venv/bin/python bench/tp.py [--steps 24] [--rounds 2] [--prompt-len 2000]
+                                 [--kv-backend tcp|grpc]
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def bench_decode(path: Path, steps: int, rounds: int) -> dict[str, Any]:
 
 
 async def _handoff(p_addr: str, d_addr: str, token: str, prompt_len: int, rounds: int,
-                   tag: str) -> tuple[float, float, float]:  # fmt: skip
+                   tag: str, backend: str) -> tuple[float, float, float]:  # fmt: skip
     from splitserve.v1 import worker_pb2 as pb
     from splitserve_worker.client import WorkerClient
 
@@ -145,7 +147,7 @@ async def _handoff(p_addr: str, d_addr: str, token: str, prompt_len: int, rounds
             prompt = [3 + (i * 7919 + j * 31) % 250 for j in range(prompt_len)]
             rid = f"{tag}-{i}-{secrets.token_hex(4)}"
             compat = (await p.health()).compat
-            handle = await d.reserve(rid, len(prompt), compat, kv_backend="tcp",
+            handle = await d.reserve(rid, len(prompt), compat, kv_backend=backend,
                                      lease_seconds=600)  # fmt: skip
             gen = d.generate(rid, prompt, sp, expect_remote_kv=True)
 
@@ -167,7 +169,7 @@ async def _handoff(p_addr: str, d_addr: str, token: str, prompt_len: int, rounds
 
 
 def bench_handoff(
-    path: Path, prompt_len: int, rounds: int
+    path: Path, prompt_len: int, rounds: int, backend: str
 ) -> dict[str, tuple[float, float, float]]:
     """``tp<p>`` (to a one-rank decode worker) and ``tp<p>-d2`` (to one over two ranks,
     each receiving its own KV heads; from two prefill ranks each pushes its own)."""
@@ -177,15 +179,19 @@ def bench_handoff(
     out = {}
     for d_tp, suffix in ((1, ""), (2, "-d2")):
         with WorkerProcs(str(path), [Role.DECODE], token, threads=1, echo=False,
+                         extra_args=["--kv-backend", backend],
                          tensor_parallel={Role.DECODE: d_tp}) as dec:  # fmt: skip
             (d_ep,) = dec.start(timeout_s=300)
             for label, tp, threads in (("tp1", 1, 2), ("tp2", 2, 1)):
                 with WorkerProcs(str(path), [Role.PREFILL], token, threads=threads, echo=False,
+                                 extra_args=["--kv-backend", backend],
                                  tensor_parallel={Role.PREFILL: tp}) as pre:  # fmt: skip
                     (p_ep,) = pre.start(timeout_s=300)
                     key = label + suffix
                     out[key] = asyncio.run(
-                        _handoff(p_ep.address, d_ep.address, token, prompt_len, rounds, key)
+                        _handoff(
+                            p_ep.address, d_ep.address, token, prompt_len, rounds, key, backend
+                        )
                     )
                     wall, comp, exposed = out[key]
                     print(f"  P(TP{tp}, {threads} thread(s) per rank) -> D(TP{d_tp}): Prefill "
@@ -199,6 +205,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=24, help="decode steps measured per round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=2000)
+    ap.add_argument("--kv-backend", choices=("tcp", "grpc"), default="tcp",
+                    help="what the handoffs push over")  # fmt: skip
     args = ap.parse_args()
     if "OMP_WAIT_POLICY" not in os.environ:
         # OpenMP threads that spin at barriers stall one another on a shared host (a
@@ -223,8 +231,8 @@ def main() -> int:
                   f"{share:.0%} of decode time, {cost * 1e3:.3f} ms each (medians)")  # fmt: skip
         pick = max(KINDS, key=lambda k: summary[k][0])
         print(f"  the faster TP=2 decode measured here: over {pick}")
-        print(f"handoff of a {args.prompt_len}-token prompt over tcp:", flush=True)
-        hand = bench_handoff(path, args.prompt_len, args.rounds)
+        print(f"handoff of a {args.prompt_len}-token prompt over {args.kv_backend}:", flush=True)
+        hand = bench_handoff(path, args.prompt_len, args.rounds, args.kv_backend)
     decode_ratio = summary[pick][0]
     handoff_ratio = hand["tp2"][0] / hand["tp1"][0]
     split = {k: hand[f"{k}-d2"][0] / hand["tp1"][0] for k in ("tp1", "tp2")}
