@@ -68,8 +68,6 @@ from splitserve_worker.server.tcp_sink import check_budget, refusal_of
 
 log = logging.getLogger(__name__)
 
-RANK_BACKENDS = SPAN_BACKENDS
-"""The KV backends that reach every rank's pool directly (each rank serves both)."""
 RANK_LEASE_S = 24 * 3600.0
 """A rank's copy of a lease never expires by itself: rank 0 ends it (:class:`ForgetKV`)."""
 PLACED_POLL_S = 0.002
@@ -359,19 +357,19 @@ class RankKV:
         self._store = _client(store_port)
         self._lock = threading.Lock()
         self._metadata = {(r, b): bytes(self._store.get(port_key(r, b)))
-                          for r in range(1, layout.world) for b in RANK_BACKENDS}  # fmt: skip
+                          for r in range(1, layout.world) for b in SPAN_BACKENDS}  # fmt: skip
 
     def describe(self) -> str:
         return self.layout.describe()
 
     def check_backend(self, backend: str) -> None:
-        if backend not in RANK_BACKENDS:
+        if backend not in SPAN_BACKENDS:
             raise RpcFailure(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"this decode worker holds its KV over {self.layout.world} tensor-parallel "
                 f"ranks ({self.layout.describe()}): KV reaches each rank's pool over "
-                f"{' or '.join(RANK_BACKENDS)} only, not {backend!r}; Reserve with "
-                f"kv_backend={' or '.join(RANK_BACKENDS)}, or serve {backend} with "
+                f"{' or '.join(SPAN_BACKENDS)} only, not {backend!r}; Reserve with "
+                f"kv_backend={' or '.join(SPAN_BACKENDS)}, or serve {backend} with "
                 "--tensor-parallel-size 1",
             )
 
