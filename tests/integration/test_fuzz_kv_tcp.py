@@ -151,7 +151,7 @@ STACK_HASH = [""]
 
 def frame(kind: int, lease: bytes, layer: int, start: int, count: int, nbytes: int,
           flags: int = 0, crc: int = 0) -> bytes:  # fmt: skip
-    return wire.FRAME.pack(kind, flags, 0, lease, layer, start, count, nbytes, crc)
+    return wire.FRAME.pack(kind, flags, 0, 0, lease, layer, start, count, nbytes, crc)
 
 
 U32 = st.integers(0, 2**32 - 1)

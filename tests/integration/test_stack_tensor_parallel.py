@@ -223,29 +223,39 @@ def _tcp_peers(pid: int) -> set[int]:
 
 
 @pytest.mark.parametrize("backend", ["tcp", "grpc"])
+@pytest.mark.parametrize("pair", ["p2d2", "p2d1"])
 def test_each_prefill_rank_pushes_its_heads_to_each_decode_rank_itself(
-    tp_workers: Any, tokenizer: Any, reference: list[list[int]], backend: str
+    tp_workers: Any, tokenizer: Any, reference: list[list[int]], backend: str, pair: str
 ) -> None:
+    """Nothing is gathered on the prefill worker's rank 0: into a decode worker over two
+    ranks, each prefill rank pushes to the decode rank holding its heads alone; into one
+    of one pool, both push there, each its own heads."""
+    decode = PAIRS[pair][1]
+
     async def rank_ports() -> list[int]:
-        d2 = WorkerClient(tp_workers["d2"].address, TOKEN)
-        compat = (await d2.health()).compat
-        h = await d2.reserve("ports", 8, compat, kv_backend=backend)
-        await d2.release("ports")
+        d = WorkerClient(tp_workers[decode].address, TOKEN)
+        compat = (await d.health()).compat
+        h = await d.reserve("ports", 8, compat, kv_backend=backend)
+        await d.release("ports")
+        target = target_from_handle(h)
+        metadata = [r.backend_metadata for r in h.kv_ranks] or [h.backend_metadata]
         if backend == "grpc":  # rank 0's on the worker's own gRPC port, rank 1's its own
-            target = target_from_handle(h)
-            return [int(push_address(replace(target, backend_metadata=r.backend_metadata))
-                        .rpartition(":")[2]) for r in h.kv_ranks]  # fmt: skip
-        return [parse_metadata(r.backend_metadata)[0] for r in h.kv_ranks]
+            return [int(push_address(replace(target, backend_metadata=m)).rpartition(":")[2])
+                    for m in metadata]  # fmt: skip
+        return [parse_metadata(m)[0] for m in metadata]
 
     ports = asyncio.run(rank_ports())
-    with router(TOKEN, tokenizer, _stack(tp_workers, "p2d2"), disaggregation=ALWAYS_REMOTE,
+    with router(TOKEN, tokenizer, _stack(tp_workers, pair), disaggregation=ALWAYS_REMOTE,
                 kv_backend=backend) as base:  # fmt: skip
         assert complete(base, PROMPTS[0], stream=False) == reference[0]
     rank0 = PIDS["p2"]
     (rank1,) = child_pids(rank0)
     # the pushes' connections stay pooled a while: who holds which shows who pushed
-    assert ports[0] in _tcp_peers(rank0) and ports[1] not in _tcp_peers(rank0)
-    assert ports[1] in _tcp_peers(rank1) and ports[0] not in _tcp_peers(rank1)
+    if len(ports) == 1:
+        assert ports[0] in _tcp_peers(rank0) and ports[0] in _tcp_peers(rank1)
+    else:
+        assert ports[0] in _tcp_peers(rank0) and ports[1] not in _tcp_peers(rank0)
+        assert ports[1] in _tcp_peers(rank1) and ports[0] not in _tcp_peers(rank1)
 
 
 def test_replicated_kv_heads_hand_off_between_two_rank_workers(

@@ -3,20 +3,32 @@ tcp or gRPC port into its own pool: every rank gets exactly its KV heads (replic
 heads to each of their ranks), a sender holding only some heads pushes only to the ranks
 that hold them, each rank says in the worker's store when its part is whole, a push over
 the other backend than the one reserved is refused, a rank's ports served over mutual TLS
-take no plain push, and a layout that loses heads is refused before anything is sent."""
+take no plain push, and a layout that loses heads is refused before anything is sent.
+
+And the pushes of several prefill ranks side by side, each of its own heads, whatever
+the two layouts (into one pool, and into ranks whose heads cut across theirs): each
+acknowledges its own heads, the pool is whole only once every one has landed, and a span
+naming heads the pool does not hold, or a stream that changes its heads, is refused."""
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 import torch
 import torch.distributed as dist
+from splitserve.grpc_options import AUTH_HEADER
 from splitserve.kv_compat import Compat
 from splitserve.tls import TlsConfig
-from splitserve_worker.kv.head_split import check_cover, open_split, rank_parts
+from splitserve.v1 import worker_pb2 as pb
+from splitserve_worker.kv import kvwire
+from splitserve_worker.kv.grpc_sender import CHANNEL_OPTIONS, push_address
+from splitserve_worker.kv.head_split import check_cover, open_split, pool_part, rank_parts
 from splitserve_worker.kv.transport import (
     BackendContext,
     RankTarget,
@@ -61,7 +73,7 @@ def _compat(kv_heads: int) -> Compat:
 
 def _ranks(store: object, kv_heads: int, world: int,
            tls: TlsConfig | None = None) -> tuple[list[RankReceiver], TPLayout]:  # fmt: skip
-    layout = TPLayout(world, 0, num_heads=4, num_kv_heads=kv_heads, intermediate_size=8)
+    layout = TPLayout(world, 0, num_heads=12, num_kv_heads=kv_heads, intermediate_size=12)
     spec = RankKVSpec("127.0.0.1", 0, TOKEN, tls or TlsConfig(), world)
     rxs = []
     for r in range(world):
@@ -194,3 +206,127 @@ def test_which_heads_go_where_and_layouts_that_lose_heads() -> None:
         check_cover(2, ranks[:2])
     with pytest.raises(TransferError, match="outside this model's 1"):
         check_cover(1, ranks)
+
+
+def _handle(store: object, layout: TPLayout, backend: str, n: int,
+            blocks: tuple[int, ...]) -> TransferTarget:  # fmt: skip
+    """The target a Reserve answer names: every rank's heads and port, or, for a worker
+    of one pool, just its port."""
+    ports = [bytes(store.get(port_key(r, backend))) for r in range(layout.world)]  # type: ignore[attr-defined]
+    ranks = tuple(RankTarget(r, layout.kv_heads(r).start, layout.kv_heads(r).stop, ports[r])
+                  for r in range(layout.world)) if layout.world > 1 else ()  # fmt: skip
+    compat = _compat(layout.num_kv_heads)
+    return TransferTarget("r1", "lease1", "127.0.0.1:1", blocks, n, compat.hash,
+                          backend_metadata=ports[0], kv_ranks=ranks)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["tcp", "grpc"])
+@pytest.mark.parametrize(
+    ("kv_heads", "prefill", "decode"),
+    [(4, 2, 1), (4, 4, 1), (4, 4, 2), (6, 3, 2), (2, 2, 1)],
+)
+def test_every_prefill_rank_pushes_its_own_heads_into_pools_of_any_layout(
+    store: object, kv_heads: int, prefill: int, decode: int, backend: str
+) -> None:
+    rxs, layout = _ranks(store, kv_heads, decode)
+    source = TPLayout(prefill, 0, num_heads=kv_heads, num_kv_heads=kv_heads, intermediate_size=12)
+    n, blocks = 9, (3, 0, 7)
+    k = torch.randn(LAYERS, n, kv_heads, HD)
+    v = torch.randn(LAYERS, n, kv_heads, HD)
+    target = _handle(store, layout, backend, n, blocks)
+    for rx in rxs:
+        step = ExpectKV("r1", "lease1", blocks, n, LAYERS, backend)
+        assert rx.handle(step, Barrier())  # type: ignore[arg-type]
+    ctx = BackendContext(compat=_compat(kv_heads), token=TOKEN, streams=2, checksum_every=1)
+    backend_ = create_sender_backend(backend, ctx)
+    try:
+        owns = [source.kv_heads(r) for r in source.kv_owners()]
+        senders = [open_split(backend_, target, own, kv_heads) for own in owns]
+        leases = [rx.leases.find("lease1") for rx in rxs]
+
+        def push(parts: list[tuple[range, Any]]) -> None:
+            for layer in range(LAYERS):  # side by side, as the ranks' forwards run
+                for own, sender in parts:
+                    sender.send_layer(layer, k[layer][:, own.start : own.stop],
+                                      v[layer][:, own.start : own.stop], 0)  # fmt: skip
+            for _, sender in parts:
+                assert sender.finish(30).layers_sent == LAYERS  # its own heads acknowledged
+
+        parts = list(zip(owns, senders, strict=True))
+        push(parts[:-1])
+        assert not all(lease.complete for lease in leases)  # the last rank's heads are missing
+        push(parts[-1:])
+        for r, (rx, lease) in enumerate(zip(rxs, leases, strict=True)):
+            heads = layout.kv_heads(r)
+            assert lease.complete
+            assert lease.bytes_received == 2 * LAYERS * n * len(heads) * HD * 4
+            for layer in range(LAYERS):
+                got_k, got_v = rx.pool.read(layer, list(blocks), 0, n)
+                assert torch.equal(got_k, k[layer][:, heads.start : heads.stop])
+                assert torch.equal(got_v, v[layer][:, heads.start : heads.stop])
+    finally:
+        backend_.close()
+        for rx in rxs:
+            rx.close()
+
+
+def test_a_part_names_its_place_in_the_pool_only_when_it_is_not_all_of_it() -> None:
+    rank = RankTarget(1, 3, 6, b"")
+    assert pool_part(range(3, 6), rank) is None
+    assert pool_part(range(3, 4), rank) == range(0, 1)
+    assert pool_part(range(4, 6), rank) == range(1, 3)
+
+
+@pytest.mark.parametrize("backend", ["tcp", "grpc"])
+def test_a_push_of_heads_the_pool_does_not_hold_is_refused_before_a_byte_lands(
+    store: object, backend: str
+) -> None:
+    rxs, layout = _ranks(store, 4, 1)
+    (rx,) = rxs
+    try:
+        n, blocks = 4, (1,)
+        assert rx.handle(ExpectKV("r1", "lease1", blocks, n, LAYERS, backend), Barrier())  # type: ignore[arg-type]
+        target = replace(_handle(store, layout, backend, n, blocks), pool_heads=range(3, 5))
+        ctx = BackendContext(compat=_compat(4), token=TOKEN, streams=1)
+        sender_backend = create_sender_backend(backend, ctx)
+        try:
+            sender = sender_backend.open(target)
+            sender.send_layer(0, torch.ones(n, 2, HD), torch.ones(n, 2, HD), 0)
+            with pytest.raises(TransferError, match=r"heads 3\.\.5 of a pool of 4"):
+                sender.finish(30)
+        finally:
+            sender_backend.close()
+        assert rx.leases.find("lease1").bytes_received == 0
+        assert not rx.pool.pool.any()
+    finally:
+        rx.close()
+
+
+def test_one_push_kv_stream_carries_one_set_of_heads(store: object) -> None:
+    rxs, layout = _ranks(store, 4, 1)
+    (rx,) = rxs
+    try:
+        n, blocks = 4, (1,)
+        assert rx.handle(ExpectKV("r1", "lease1", blocks, n, LAYERS, "grpc"), Barrier())  # type: ignore[arg-type]
+        target = _handle(store, layout, "grpc", n, blocks)
+        data = torch.ones(2, n, 2, HD).numpy().tobytes()
+
+        def span(layer: int, first: int) -> kvwire.KVSpan:
+            return kvwire.KVSpan("r1", "lease1", layer, 0, n, memoryview(data),
+                                 compat_hash=target.compat_hash, kv_head_start=first,
+                                 kv_head_count=2)  # fmt: skip
+
+        with grpc.insecure_channel(push_address(target), CHANNEL_OPTIONS) as ch:
+            call = ch.stream_unary("/splitserve.v1.Worker/PushKV",
+                                   request_serializer=kvwire.encode,
+                                   response_deserializer=pb.PushKVAck.FromString)  # fmt: skip
+            meta = ((AUTH_HEADER, f"Bearer {TOKEN}"),)
+            ack = call(iter([span(0, 0), span(1, 0)]), metadata=meta, timeout=30)
+            assert ack.layers_received == LAYERS  # heads 0..2 of both layers: whole
+            assert not rx.leases.find("lease1").complete  # heads 2..4 have not come
+            with pytest.raises(grpc.RpcError) as err:
+                call(iter([span(0, 2), span(1, 0)]), metadata=meta, timeout=30)
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "one set of KV heads" in (err.value.details() or "")
+    finally:
+        rx.close()

@@ -25,21 +25,34 @@ u32 = st.integers(0, 2**32 - 1)
 @given(layer=u32, start=u32, count=st.integers(1, 2**32 - 1),
        nbytes=st.integers(1, wire.MAX_SPAN_BYTES), crc=st.none() | u32,
        lease=st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1,
-                     max_size=16))  # fmt: skip
+                     max_size=16),
+       heads=st.none() | st.tuples(st.integers(0, 254), st.integers(1, 255)).map(
+           lambda a: range(a[0], min(256, a[0] + a[1]))))  # fmt: skip
 def test_a_span_reads_back_as_written(
-    layer: int, start: int, count: int, nbytes: int, crc: int | None, lease: str
-) -> None:
-    raw = wire.span(lease, layer, start, count, nbytes, crc)
+    layer: int, start: int, count: int, nbytes: int, crc: int | None, lease: str,
+    heads: range | None,
+) -> None:  # fmt: skip
+    raw = wire.span(lease, layer, start, count, nbytes, crc, heads)
     assert len(raw) == wire.FRAME.size
-    assert wire.parse_frame(raw) == wire.Frame(wire.SPAN, lease, layer, start, count, nbytes,
-                                               crc)  # fmt: skip
+    frame = wire.parse_frame(raw)
+    head, n = (heads.start, len(heads)) if heads else (0, 0)
+    assert frame == wire.Frame(wire.SPAN, lease, layer, start, count, nbytes, crc, head, n)
+    assert frame.head_range == heads
+    end = wire.parse_frame(wire.end(lease, heads))
+    assert end.kind == wire.END and end.head_range == heads
+
+
+@pytest.mark.parametrize("heads", [range(0, 0), range(3, 3), range(255, 257), range(0, 256)])
+def test_a_frame_names_at_least_one_head_and_no_more_than_it_can_hold(heads: range) -> None:
+    with pytest.raises(WireError, match=r"a frame names heads 0\.\.255"):
+        wire.span("a" * 16, 0, 0, 1, 8, None, heads)
 
 
 @FIXED
 @given(raw=st.binary(min_size=wire.FRAME.size, max_size=wire.FRAME.size))
-@example(raw=wire.FRAME.pack(wire.SPAN, 0, 0, b"a" * 16, 0, 0, 1, 2**32 - 1, 0))
-@example(raw=wire.FRAME.pack(wire.SPAN, 0, 0, b"a" * 16, 0, 0, 0, 0, 0))
-@example(raw=wire.FRAME.pack(wire.END, 1, 0, b"a" * 16, 0, 0, 0, 0, 0))
+@example(raw=wire.FRAME.pack(wire.SPAN, 0, 0, 0, b"a" * 16, 0, 0, 1, 2**32 - 1, 0))
+@example(raw=wire.FRAME.pack(wire.SPAN, 0, 0, 0, b"a" * 16, 0, 0, 0, 0, 0))
+@example(raw=wire.FRAME.pack(wire.END, 1, 0, 0, b"a" * 16, 0, 0, 0, 0, 0))
 @example(raw=bytes(wire.FRAME.size))
 def test_any_bytes_are_a_writable_frame_or_refused(raw: bytes) -> None:
     try:
@@ -50,27 +63,28 @@ def test_any_bytes_are_a_writable_frame_or_refused(raw: bytes) -> None:
     # accepted: exactly the bytes a sender writes for it, within every bound
     if frame.kind == wire.SPAN:
         again = wire.span(frame.lease_id, frame.layer, frame.start, frame.count, frame.nbytes,
-                          frame.crc32)  # fmt: skip
+                          frame.crc32, frame.head_range)  # fmt: skip
         assert 0 < frame.nbytes <= wire.MAX_SPAN_BYTES and frame.count > 0
     else:
-        again = wire.end(frame.lease_id)
+        again = wire.end(frame.lease_id, frame.head_range)
     assert again == raw
 
 
 @pytest.mark.parametrize(
     ("raw", "words"),
     [
-        (wire.FRAME.pack(wire.SPAN, 0, 0, b"a" * 16, 0, 0, 1, wire.MAX_SPAN_BYTES + 1, 0),
+        (wire.FRAME.pack(wire.SPAN, 0, 0, 0, b"a" * 16, 0, 0, 1, wire.MAX_SPAN_BYTES + 1, 0),
          "at most"),
-        (wire.FRAME.pack(wire.SPAN, 0, 0, b"a" * 16, 0, 0, 0, 8, 0), "no tokens"),
-        (wire.FRAME.pack(wire.SPAN, 0, 0, b"a" * 16, 0, 0, 1, 0, 0), "no bytes"),
-        (wire.FRAME.pack(wire.SPAN, 0, 0, b"a" * 16, 0, 0, 1, 8, 5), "carries a checksum"),
-        (wire.FRAME.pack(wire.SPAN, 2, 0, b"a" * 16, 0, 0, 1, 8, 0), "flags"),
-        (wire.FRAME.pack(wire.SPAN, 0, 7, b"a" * 16, 0, 0, 1, 8, 0), "reserved"),
-        (wire.FRAME.pack(wire.SPAN, 0, 0, bytes(16), 0, 0, 1, 8, 0), "lease id"),
-        (wire.FRAME.pack(wire.SPAN, 0, 0, b"ab\ncd" + bytes(11), 0, 0, 1, 8, 0), "lease id"),
-        (wire.FRAME.pack(wire.END, 0, 0, b"a" * 16, 1, 0, 0, 0, 0), "only a lease id"),
-        (wire.FRAME.pack(0, 0, 0, b"a" * 16, 0, 0, 1, 8, 0), "kind 0"),
+        (wire.FRAME.pack(wire.SPAN, 0, 0, 0, b"a" * 16, 0, 0, 0, 8, 0), "no tokens"),
+        (wire.FRAME.pack(wire.SPAN, 0, 0, 0, b"a" * 16, 0, 0, 1, 0, 0), "no bytes"),
+        (wire.FRAME.pack(wire.SPAN, 0, 0, 0, b"a" * 16, 0, 0, 1, 8, 5), "carries a checksum"),
+        (wire.FRAME.pack(wire.SPAN, 2, 0, 0, b"a" * 16, 0, 0, 1, 8, 0), "flags"),
+        (wire.FRAME.pack(wire.SPAN, 0, 7, 0, b"a" * 16, 0, 0, 1, 8, 0), "first KV head but no"),
+        (wire.FRAME.pack(wire.END, 0, 7, 0, b"a" * 16, 0, 0, 0, 0, 0), "first KV head but no"),
+        (wire.FRAME.pack(wire.SPAN, 0, 0, 0, bytes(16), 0, 0, 1, 8, 0), "lease id"),
+        (wire.FRAME.pack(wire.SPAN, 0, 0, 0, b"ab\ncd" + bytes(11), 0, 0, 1, 8, 0), "lease id"),
+        (wire.FRAME.pack(wire.END, 0, 0, 0, b"a" * 16, 1, 0, 0, 0, 0), "only a lease id and heads"),
+        (wire.FRAME.pack(0, 0, 0, 0, b"a" * 16, 0, 0, 1, 8, 0), "kind 0"),
     ],
 )  # fmt: skip
 def test_each_rule_of_a_frame_is_checked(raw: bytes, words: str) -> None:

@@ -176,7 +176,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ..., blocks_freed: _Optional[int] = ...) -> None: ...
 
 class KVLayer(_message.Message):
-    __slots__ = ("request_id", "lease_id", "layer", "start_token", "num_tokens", "data", "crc32", "compat_hash")
+    __slots__ = ("request_id", "lease_id", "layer", "start_token", "num_tokens", "data", "crc32", "compat_hash", "kv_head_start", "kv_head_count")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,8 @@ class KVLayer(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_COUNT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_id: str
     layer: int
@@ -193,7 +195,9 @@ class KVLayer(_message.Message):
     data: bytes
     crc32: int
     compat_hash: str
-    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., layer: _Optional[int] = ..., start_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., compat_hash: _Optional[str] = ...) -> None: ...
+    kv_head_start: int
+    kv_head_count: int
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., layer: _Optional[int] = ..., start_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., compat_hash: _Optional[str] = ..., kv_head_start: _Optional[int] = ..., kv_head_count: _Optional[int] = ...) -> None: ...
 
 class PushKVAck(_message.Message):
     __slots__ = ("layers_received", "bytes_received")

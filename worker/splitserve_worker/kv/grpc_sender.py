@@ -95,9 +95,11 @@ class GrpcStream:
         self, spans: Iterator[SpanOut]
     ) -> Iterator[tuple[kvwire.KVSpan, tuple[memoryview | bytes, ...]]]:
         t = self._t
+        heads = t.pool_heads or range(0)
         for s in spans:
             head = kvwire.KVSpan(t.request_id, t.lease_id, s.layer, s.start, s.count,
-                                 crc32=s.crc32, compat_hash=t.compat_hash)  # fmt: skip
+                                 crc32=s.crc32, compat_hash=t.compat_hash,
+                                 kv_head_start=heads.start, kv_head_count=len(heads))  # fmt: skip
             yield head, s.parts
 
     def run(self, spans: Iterator[SpanOut]) -> int:

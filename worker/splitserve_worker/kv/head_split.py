@@ -1,14 +1,19 @@
-"""One push into a decode worker whose KV pool is split over tensor-parallel ranks.
+"""One push of some KV heads, or into a decode worker whose KV pool is split over
+tensor-parallel ranks.
 
 A Reserve answer from such a worker names each rank's KV heads and where that rank
-receives them (:class:`~.transport.RankTarget`). The sender opens one push per rank that
-holds any of the heads it has, with the backend it would use for one pool, and hands
-each exactly its heads: the intersection of its own head range and the rank's, a slice
-of the layer's ``[tokens, kv_heads, head_dim]`` (one copy of that slice, which the push
-makes anyway for anything it keeps). Ranks holding the same (replicated) head each get
-it: each pool needs its own copy. The push is done when every rank acknowledged every
-layer (:meth:`HeadSplitSender.finish`); only then is the Commit sent, and the decode
-worker's rank 0 checks once more that every rank has placed its part.
+receives them (:class:`~.transport.RankTarget`); one from a worker of one pool holds
+every head there. The sender (a prefill worker's rank, holding heads ``own``) opens one
+push per decode rank that holds any of them, with the backend it would use for one
+pool, and hands each exactly its part: the intersection of its own head range and the
+rank's, a slice of the layer's ``[tokens, kv_heads, head_dim]`` (one copy of that slice,
+which the push makes anyway for anything it keeps). A part that is not all of the
+rank's heads names its place in the rank's pool (``TransferTarget.pool_heads``): the
+decode rank then takes pushes of its heads from several prefill ranks side by side.
+Ranks holding the same (replicated) head each get it: each pool needs its own copy.
+The push is done when every rank acknowledged every layer of its part
+(:meth:`HeadSplitSender.finish`); only then is the Commit sent, and the decode worker's
+rank 0 checks once more that every rank has placed every head.
 
 Pure apart from the pushes it drives: no sockets of its own.
 """
@@ -103,18 +108,31 @@ class HeadSplitSender:
             sender.abort(reason)
 
 
+def pool_part(heads: range, rank: RankTarget) -> range | None:
+    """Where ``heads`` (the model's) lie in ``rank``'s pool; None when they are all of it."""
+    if heads == range(rank.kv_head_start, rank.kv_head_stop):
+        return None
+    return range(heads.start - rank.kv_head_start, heads.stop - rank.kv_head_start)
+
+
 def open_split(
     backend: SenderBackend, target: TransferTarget, own: range, num_kv_heads: int
 ) -> KVSender:
     """The push of heads ``own`` (of ``num_kv_heads``) into ``target``: one push to each
-    rank when the decode pool is split (``target.kv_ranks``), else the backend's own."""
-    if not target.kv_ranks:
-        return backend.open(target)
-    check_cover(num_kv_heads, target.kv_ranks)
+    rank when the decode pool is split (``target.kv_ranks``) or this sender holds only
+    some of the heads, else the backend's own."""
+    ranks = target.kv_ranks
+    if not ranks:
+        if own == range(num_kv_heads):
+            return backend.open(target)
+        ranks = (RankTarget(rank=0, kv_head_start=0, kv_head_stop=num_kv_heads,
+                            backend_metadata=target.backend_metadata),)  # fmt: skip
+    check_cover(num_kv_heads, ranks)
     parts: list[tuple[range, KVSender]] = []
     try:
-        for rank, heads in rank_parts(own, target.kv_ranks):
-            sub = dataclasses.replace(target, backend_metadata=rank.backend_metadata, kv_ranks=())
+        for rank, heads in rank_parts(own, ranks):
+            sub = dataclasses.replace(target, backend_metadata=rank.backend_metadata, kv_ranks=(),
+                                      pool_heads=pool_part(heads, rank))  # fmt: skip
             parts.append((heads, backend.open(sub)))
     except BaseException:
         for _, sender in parts:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from dataclasses import field as dc_field
 
 # field numbers of splitserve.v1.KVLayer
-_REQUEST_ID, _LEASE_ID, _LAYER, _START, _NUM_TOKENS, _DATA, _CRC32, _COMPAT = range(1, 9)
+(_REQUEST_ID, _LEASE_ID, _LAYER, _START, _NUM_TOKENS, _DATA, _CRC32, _COMPAT, _HEAD_START,
+ _HEAD_COUNT) = range(1, 11)  # fmt: skip
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
 
@@ -35,6 +36,15 @@ class KVSpan:
     data: memoryview = dc_field(default_factory=lambda: memoryview(b""))
     crc32: int | None = None
     compat_hash: str = ""
+    kv_head_start: int = 0
+    kv_head_count: int = 0
+
+    @property
+    def head_range(self) -> range | None:
+        """The span's KV heads of the receiving pool; None for every head."""
+        if not self.kv_head_count:
+            return None
+        return range(self.kv_head_start, self.kv_head_start + self.kv_head_count)
 
 
 def _varint(n: int) -> bytes:
@@ -64,7 +74,8 @@ def _head(span: KVSpan, data_size: int) -> bytes:
             raw = text.encode()
             head += _key(num, _LEN) + _varint(len(raw)) + raw
     for num, n in ((_LAYER, span.layer), (_START, span.start_token),
-                     (_NUM_TOKENS, span.num_tokens)):  # fmt: skip
+                     (_NUM_TOKENS, span.num_tokens), (_HEAD_START, span.kv_head_start),
+                     (_HEAD_COUNT, span.kv_head_count)):  # fmt: skip
         if n:
             head += _key(num, _VARINT) + _varint(n)
     if span.crc32 is not None:
@@ -120,6 +131,10 @@ def _field(span: KVSpan, buf: memoryview, i: int) -> tuple[int, int, int] | None
                 span.start_token = _signed32(n)
             elif field == _NUM_TOKENS:
                 span.num_tokens = _signed32(n)
+            elif field == _HEAD_START:
+                span.kv_head_start = _signed32(n)
+            elif field == _HEAD_COUNT:
+                span.kv_head_count = _signed32(n)
             elif field == _CRC32:
                 span.crc32 = n & 0xFFFFFFFF
             return j, field, 0

@@ -103,15 +103,20 @@ class PoolView:
         return ids[t // self.block_size] * self.block_size + t % self.block_size
 
     def write(
-        self, layer: int, block_ids: list[int], start: int, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """Copy ``k``/``v`` ``[n, kv_heads, head_dim]`` into the blocks: one copy each."""
+        self, layer: int, block_ids: list[int], start: int, k: torch.Tensor, v: torch.Tensor,
+        heads: range | None = None,
+    ) -> None:  # fmt: skip
+        """Copy ``k``/``v`` ``[n, len(heads), head_dim]`` into heads ``heads`` (None: all)
+        of the blocks: one copy each."""
         n = int(k.shape[0])
         if n == 0:
             return
         flat = self.pool[layer].view(2, self.num_blocks * self.block_size, self.kv_heads, -1)
-        k = k.to(self.pool.device).view(n, self.kv_heads, -1)
-        v = v.to(self.pool.device).view(n, self.kv_heads, -1)
+        nh = self.kv_heads
+        if heads is not None and len(heads) != self.kv_heads:
+            flat, nh = flat[:, :, heads.start : heads.stop], len(heads)
+        k = k.to(self.pool.device).view(n, nh, -1)
+        v = v.to(self.pool.device).view(n, nh, -1)
         if self.pool.device.type == "cpu":
             runs = slot_runs(block_ids, start, n, self.block_size)
             if len(runs) <= MAX_RUN_COPIES:

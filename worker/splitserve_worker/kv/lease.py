@@ -46,7 +46,12 @@ class Lease:
     backend: str
     ttl: float = 0.0
     state: State = State.RESERVED
-    layer_tokens: list[int] = field(default_factory=list)
+    kv_heads: int = 1
+    """KV heads of the pool the blocks are in: a span may carry some of them (a prefill
+    rank pushing only its own heads); each layer is complete once every head's tokens
+    came."""
+    head_tokens: list[list[int]] = field(default_factory=list)
+    """Tokens arrived per layer, per head of the pool."""
     bytes_received: int = 0
     first_token: int = -1
     first_logprob: float = 0.0
@@ -55,12 +60,25 @@ class Lease:
     """The Commit's prompt scores, for the first chunk of the stream."""
 
     def __post_init__(self) -> None:
-        if not self.layer_tokens:
-            self.layer_tokens = [0] * self.num_layers
+        if self.kv_heads < 1:
+            raise ValueError(f"a lease's pool has at least one KV head, got {self.kv_heads}")
+        if not self.head_tokens:
+            self.head_tokens = [[0] * self.kv_heads for _ in range(self.num_layers)]
+
+    @property
+    def layer_tokens(self) -> list[int]:
+        """Tokens arrived per layer, in every head."""
+        return [min(heads) for heads in self.head_tokens]
 
     @property
     def layers_complete(self) -> int:
-        return sum(1 for n in self.layer_tokens if n >= self.num_tokens)
+        return self.layers_complete_over(None)
+
+    def layers_complete_over(self, heads: range | None) -> int:
+        """Layers whose every token arrived in ``heads`` of the pool (None: in all of
+        them): what one push of some heads acknowledges."""
+        sel = slice(None) if heads is None else slice(heads.start, heads.stop)
+        return sum(1 for per in self.head_tokens if min(per[sel], default=0) >= self.num_tokens)
 
     @property
     def complete(self) -> bool:
@@ -94,10 +112,13 @@ class LeaseTable:
         num_layers: int,
         ttl: float,
         backend: str,
+        kv_heads: int = 1,
         lease_id: str | None = None,
     ) -> Lease:
-        """``lease_id``: the id another table gave the same reservation (a decode worker's
-        other tensor-parallel ranks mirror rank 0's); a fresh random one by default."""
+        """``kv_heads``: the heads of the pool the blocks are in (spans may carry some of
+        them). ``lease_id``: the id another table gave the same reservation (a decode
+        worker's other tensor-parallel ranks mirror rank 0's); a fresh random one by
+        default."""
         if ttl <= 0:
             raise ValueError(f"lease ttl must be > 0 seconds, got {ttl}")
         lease_id = lease_id or secrets.token_hex(LEASE_ID_BYTES)
@@ -110,6 +131,7 @@ class LeaseTable:
             expires_at=self._clock() + ttl,
             backend=backend,
             ttl=ttl,
+            kv_heads=kv_heads,
         )
         with self._lock:
             if request_id in self._by_request:
@@ -159,7 +181,11 @@ class LeaseTable:
         return lease
 
     @staticmethod
-    def _check_range(lease: Lease, layer: int, start: int, count: int) -> None:
+    def _check_range(lease: Lease, layer: int, start: int, count: int, heads: range) -> None:
+        if not 0 <= heads.start < heads.stop <= lease.kv_heads:
+            raise LeaseError(
+                f"KV heads {heads.start}..{heads.stop} out of range for a pool of {lease.kv_heads}"
+            )
         if not 0 <= layer < lease.num_layers:
             raise LeaseError(f"layer {layer} out of range 0..{lease.num_layers - 1}")
         if start < 0 or count < 0 or start + count > lease.num_tokens:
@@ -176,15 +202,25 @@ class LeaseTable:
 
         ``renew``: the lease runs for its full TTL again from now (a push that keeps
         arriving is alive; only one that stops for a TTL is given up)."""
-        self._arrived(lease, layer, start, count, nbytes, renew, cumulative=True)
+        self._arrived(lease, layer, start, count, nbytes, renew, None, cumulative=True)
 
     def add_span(
-        self, lease: Lease, layer: int, start: int, count: int, nbytes: int, *, renew: bool = False
+        self,
+        lease: Lease,
+        layer: int,
+        start: int,
+        count: int,
+        nbytes: int,
+        *,
+        renew: bool = False,
+        heads: range | None = None,
     ) -> None:
-        """Tokens ``[start, start + count)`` of ``layer`` arrived, in any order: the layer's
-        count grows by ``count`` (a push spread over several streams delivers a layer's
-        spans out of order; each span arrives once). ``renew`` as in :meth:`record`."""
-        self._arrived(lease, layer, start, count, nbytes, renew, cumulative=False)
+        """Tokens ``[start, start + count)`` of ``layer`` arrived in ``heads`` of the pool
+        (None: in every head), in any order: those heads' counts grow by ``count`` (a push
+        spread over several streams delivers a layer's spans out of order, and pushes of
+        different heads arrive side by side; each span arrives once). ``renew`` as in
+        :meth:`record`."""
+        self._arrived(lease, layer, start, count, nbytes, renew, heads, cumulative=False)
 
     def _arrived(
         self,
@@ -194,23 +230,27 @@ class LeaseTable:
         count: int,
         nbytes: int,
         renew: bool,
+        heads: range | None,
         *,
         cumulative: bool,
     ) -> None:
-        self._check_range(lease, layer, start, count)
+        heads = range(lease.kv_heads) if heads is None else heads
+        self._check_range(lease, layer, start, count, heads)
         with self._lock:
-            have = lease.layer_tokens[layer]
-            if cumulative:
-                lease.layer_tokens[layer] = max(have, start + count)
-            else:
-                lease.layer_tokens[layer] = min(lease.num_tokens, have + count)
+            per = lease.head_tokens[layer]
+            for h in heads:
+                if cumulative:
+                    per[h] = max(per[h], start + count)
+                else:
+                    per[h] = min(lease.num_tokens, per[h] + count)
             lease.bytes_received += nbytes
             if renew:
                 lease.expires_at = max(lease.expires_at, self._clock() + lease.ttl)
 
     def mark_all_layers(self, lease: Lease) -> None:
         with self._lock:
-            lease.layer_tokens = [lease.num_tokens] * lease.num_layers
+            lease.head_tokens = [[lease.num_tokens] * lease.kv_heads
+                                 for _ in range(lease.num_layers)]  # fmt: skip
 
     def commit(
         self,

@@ -1,12 +1,15 @@
 """The decode side of the ``tcp`` and ``grpc`` backends: spans checked, then placed in the
 reserved blocks.
 
-A span is tokens ``[start, start + count)`` of one layer, K then V. Two ways in:
+A span is tokens ``[start, start + count)`` of one layer, K then V, in every KV head of
+the pool or in some of them (``heads``: a prefill rank pushing its own heads into a pool
+that holds more). Two ways in:
 
 - :meth:`SpanReceiver.views` / :meth:`SpanReceiver.placed`: the ``tcp`` port receives a
-  payload straight into the pool's bytes (one copy, by the kernel);
+  payload of every head straight into the pool's bytes (one copy, by the kernel);
 - :meth:`SpanReceiver.write`: a payload already in memory (a ``PushKV`` message from the
-  worker's gRPC server, or a pool off the host that cannot be read into) is copied in.
+  worker's gRPC server, a span of some heads, whose tokens are not contiguous in the
+  pool, or a pool off the host that cannot be read into) is copied in.
 
 Both check the span against its reservation before any byte moves, verify its crc32
 when it carries one, and renew the lease (a push that keeps arriving stays alive; one
@@ -50,10 +53,12 @@ class SpanReceiver:
     def backend_metadata(self) -> bytes:
         return self.metadata
 
-    def check(self, lease: Lease, layer: int, start: int, count: int, nbytes: int) -> None:
-        """Whether ``nbytes`` of tokens ``[start, start + count)`` of ``layer`` fit the
-        reservation (TransferError ``shape`` if not): checked before any byte is written,
-        since out-of-range indices would wrap around."""
+    def check(self, lease: Lease, layer: int, start: int, count: int, nbytes: int,
+              heads: range | None = None) -> None:  # fmt: skip
+        """Whether ``nbytes`` of tokens ``[start, start + count)`` of ``layer`` in KV heads
+        ``heads`` of the pool (None: all) fit the reservation (TransferError ``shape`` if
+        not): checked before any byte is written, since out-of-range indices would wrap
+        around."""
         if not (0 <= layer < lease.num_layers and start >= 0 and count >= 0
                 and start + count <= lease.num_tokens):  # fmt: skip
             raise TransferError(
@@ -62,12 +67,22 @@ class SpanReceiver:
                 f"{lease.num_tokens} tokens)",
                 "shape",
             )
-        expected = 2 * count * self._pool.token_bytes
+        pool = self._pool
+        nh = pool.kv_heads
+        if heads is not None:
+            if not 0 <= heads.start < heads.stop <= pool.kv_heads:
+                raise TransferError(
+                    f"KV layer {layer}: heads {heads.start}..{heads.stop} of a pool of "
+                    f"{pool.kv_heads} (request {lease.request_id!r}): the prefill worker "
+                    "pushes heads this worker does not hold",
+                    "shape",
+                )
+            nh = len(heads)
+        expected = 2 * count * nh * pool.head_dim * pool.pool.element_size()
         if nbytes != expected:
             raise TransferError(
                 f"KV layer {layer}: {nbytes} bytes for {count} tokens, expected {expected} "
-                f"([2, {count}, {self._pool.kv_heads}, {self._pool.head_dim}] "
-                f"{self._pool.dtype})",
+                f"([2, {count}, {nh}, {pool.head_dim}] {pool.dtype})",
                 "shape",
             )
 
@@ -78,47 +93,52 @@ class SpanReceiver:
             "checksum",
         )
 
-    def _landed(self, lease: Lease, layer: int, start: int, count: int, nbytes: int) -> None:
-        self._leases.add_span(lease, layer, start, count, nbytes, renew=True)
+    def _landed(self, lease: Lease, layer: int, start: int, count: int, nbytes: int,
+                heads: range | None) -> None:  # fmt: skip
+        self._leases.add_span(lease, layer, start, count, nbytes, renew=True, heads=heads)
         if lease.complete:
             with self._cond:
                 self._cond.notify_all()
 
     def write(self, lease: Lease, layer: int, start: int, count: int, data: memoryview,
-              crc32: int | None) -> None:  # fmt: skip
-        """Check and place one span whose payload is ``data``. Raises TransferError
-        (reason ``checksum`` or ``shape``)."""
+              crc32: int | None, heads: range | None = None) -> None:  # fmt: skip
+        """Check and place one span (of KV heads ``heads`` of the pool, None: all) whose
+        payload is ``data``. Raises TransferError (reason ``checksum`` or ``shape``)."""
         if crc32 is not None and zlib.crc32(data) != crc32:
             raise self._bad_checksum(lease, layer, start, count)
-        self.check(lease, layer, start, count, len(data))
+        self.check(lease, layer, start, count, len(data), heads)
         if count:
             with warnings.catch_warnings():
                 # received bytes may be immutable; the view over them is only ever read
                 warnings.filterwarnings("ignore", message="The given buffer is not writable")
                 flat = torch.frombuffer(data, dtype=self._pool.dtype)
-            kv = flat.view(2, count, self._pool.kv_heads, self._pool.head_dim)
-            self._pool.write(layer, lease.block_ids, start, kv[0], kv[1])
-        self._landed(lease, layer, start, count, len(data))
+            nh = self._pool.kv_heads if heads is None else len(heads)
+            kv = flat.view(2, count, nh, self._pool.head_dim)
+            self._pool.write(layer, lease.block_ids, start, kv[0], kv[1], heads)
+        self._landed(lease, layer, start, count, len(data), heads)
 
-    def views(self, lease: Lease, layer: int, start: int, count: int,
-              nbytes: int) -> list[memoryview] | None:  # fmt: skip
+    def views(self, lease: Lease, layer: int, start: int, count: int, nbytes: int,
+              heads: range | None = None) -> list[memoryview] | None:  # fmt: skip
         """Where the ``nbytes`` of the span go in the reserved blocks (K, then V); None if
-        the pool cannot be written that way (not in host memory). Raises TransferError as
-        :meth:`write` does."""
-        self.check(lease, layer, start, count, nbytes)
+        the pool cannot be written that way (not in host memory, or a span of some heads:
+        :meth:`write` places it). Raises TransferError as :meth:`write` does."""
+        self.check(lease, layer, start, count, nbytes, heads)
+        if heads is not None and len(heads) != self._pool.kv_heads:
+            return None
         return self._pool.byte_views(layer, lease.block_ids, start, count)
 
     def placed(self, lease: Lease, layer: int, start: int, count: int,
                views: list[memoryview], crc32: int | None) -> None:  # fmt: skip
-        """The span's payload arrived in ``views`` (from :meth:`views`). A corrupt one
-        raises TransferError: the blocks it landed in are freed with the lease."""
+        """The span's payload (of every head) arrived in ``views`` (from :meth:`views`). A
+        corrupt one raises TransferError: the blocks it landed in are freed with the
+        lease."""
         if crc32 is not None:
             crc = 0
             for v in views:
                 crc = zlib.crc32(v, crc)
             if crc != crc32:
                 raise self._bad_checksum(lease, layer, start, count)
-        self._landed(lease, layer, start, count, sum(len(v) for v in views))
+        self._landed(lease, layer, start, count, sum(len(v) for v in views), None)
 
     def wait_layers(self, lease: Lease, timeout: float) -> bool:
         with self._cond:

@@ -210,13 +210,13 @@ class TcpStream:
 
     def run(self, spans: Iterator[SpanOut]) -> int:
         conn = self._connect()
-        lease = self._t.lease_id
+        lease, heads = self._t.lease_id, self._t.pool_heads
         try:
             for s in spans:
                 self._check(conn)
-                header = wire.span(lease, s.layer, s.start, s.count, s.nbytes, s.crc32)
+                header = wire.span(lease, s.layer, s.start, s.count, s.nbytes, s.crc32, heads)
                 send_all(conn.sock, [header, *s.parts])
-            send_all(conn.sock, [wire.end(lease)])
+            send_all(conn.sock, [wire.end(lease, heads)])
             answer, message = conn.answer()
         except (OSError, ssl.SSLError, WireError) as e:
             refusal = self._refusal(conn)

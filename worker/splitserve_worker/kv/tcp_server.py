@@ -102,8 +102,9 @@ class SpanSink(Protocol):
         """The payload of ``frame`` is in the buffers :meth:`target` gave."""
         ...
 
-    def end(self, lease_id: str) -> tuple[int, int]:
-        """The sender ended ``lease_id``'s push here: (layers complete, bytes received)."""
+    def end(self, lease_id: str, heads: range | None) -> tuple[int, int]:
+        """The sender ended ``lease_id``'s push of KV heads ``heads`` (None: all) here:
+        (layers complete in those heads, bytes received)."""
         ...
 
     def close(self, error: BaseException | None) -> None:
@@ -205,7 +206,7 @@ class _Connection:
         assert self._sink is not None
         if frame.lease_id not in self._open:
             raise WireError(f"END for lease {frame.lease_id}, which this connection never pushed")
-        layers, nbytes = self._sink.end(frame.lease_id)
+        layers, nbytes = self._sink.end(frame.lease_id, frame.head_range)
         self._open.discard(frame.lease_id)
         send_all(self._sock, [wire.ack(frame.lease_id, layers, nbytes)])
 

@@ -11,10 +11,13 @@ One connection, prefill worker (sender) to decode worker:
 3. The decode side answers ``READY``, or ``ERROR`` (UNAUTHENTICATED, FAILED_PRECONDITION)
    and closes: nothing after a failed hello is read.
 4. Frames (:data:`FRAME`, 40 bytes). ``SPAN`` names a lease, a layer, tokens
-   ``[start, start + count)``, the payload's length and optionally its crc32; the payload
-   (the tokens' K, then their V, as the pool stores them) follows and is received
-   straight into the reserved blocks. ``END`` closes one lease's push on the connection,
-   answered by ``ACK`` (layers complete, bytes received).
+   ``[start, start + count)``, optionally KV heads ``[head, head + heads)`` of the
+   receiving pool (``heads`` 0: every head), the payload's length and optionally its
+   crc32; the payload (the tokens' K, then their V, ``[count, heads, head_dim]`` each, as
+   the pool stores them) follows and is received straight into the reserved blocks (a
+   span of some heads through a staging buffer: its tokens are not contiguous there).
+   ``END`` closes one lease's push on the connection, naming the heads it pushed,
+   answered by ``ACK`` (layers complete in those heads, bytes received).
 5. Any refusal is an ``ERROR`` answer (a :class:`Status` and a message) and ends the
    connection; the sender reports the message.
 
@@ -35,9 +38,9 @@ VERSION = 1
 
 HELLO = struct.Struct("!4sHH64s32s")
 """magic, version, flags (0), compat hash (ASCII hex), HMAC-SHA256 of the token."""
-FRAME = struct.Struct("!BBH16sIIIII")
-"""kind, flags, reserved (0), lease id, layer, start token, token count, payload bytes,
-crc32."""
+FRAME = struct.Struct("!BBBB16sIIIII")
+"""kind, flags, first KV head, KV heads (0: every head), lease id, layer, start token,
+token count, payload bytes, crc32."""
 ANSWER = struct.Struct("!4sBBH16sIIQ")
 """magic, kind, status, version, lease id (a CHALLENGE's nonce), layers, message bytes,
 payload bytes received."""
@@ -58,6 +61,8 @@ MAX_SPAN_BYTES = 64 << 20
 """Largest payload one span may carry (senders cut spans of about 4 MiB)."""
 MAX_MESSAGE_BYTES = 1024
 """Longest message an ERROR answer carries."""
+MAX_HEAD = 255
+"""A frame names KV heads up to this (one byte each)."""
 
 
 class Status(IntEnum):
@@ -98,6 +103,14 @@ class Frame:
     count: int = 0
     nbytes: int = 0
     crc32: int | None = None
+    head: int = 0
+    heads: int = 0
+    """The span's KV heads of the receiving pool, ``[head, head + heads)``; 0: all."""
+
+    @property
+    def head_range(self) -> range | None:
+        """The span's heads, None for every head of the pool."""
+        return range(self.head, self.head + self.heads) if self.heads else None
 
 
 @dataclass(frozen=True)
@@ -182,25 +195,38 @@ def check_hello(raw: bytes, token: str, nonce: bytes, compat_hash: str) -> Refus
 
 
 # ---- frames ----
+def _head_fields(heads: range | None) -> tuple[int, int]:
+    if heads is None:
+        return 0, 0
+    if not 0 <= heads.start < heads.stop <= MAX_HEAD + 1 or len(heads) > MAX_HEAD:
+        raise WireError(f"KV heads {heads.start}..{heads.stop}: a frame names heads "
+                        f"0..{MAX_HEAD}")  # fmt: skip
+    return heads.start, len(heads)
+
+
 def span(lease_id: str, layer: int, start: int, count: int, nbytes: int,
-         crc32: int | None = None) -> bytes:  # fmt: skip
-    """A SPAN frame; ``nbytes`` of payload must follow it."""
+         crc32: int | None = None, heads: range | None = None) -> bytes:  # fmt: skip
+    """A SPAN frame (of KV heads ``heads`` of the receiving pool, None: all); ``nbytes``
+    of payload must follow it."""
     flags = HAS_CRC if crc32 is not None else 0
-    return FRAME.pack(SPAN, flags, 0, lease_field(lease_id), layer, start, count, nbytes,
-                      crc32 or 0)  # fmt: skip
+    head, n = _head_fields(heads)
+    return FRAME.pack(SPAN, flags, head, n, lease_field(lease_id), layer, start, count,
+                      nbytes, crc32 or 0)  # fmt: skip
 
 
-def end(lease_id: str) -> bytes:
-    return FRAME.pack(END, 0, 0, lease_field(lease_id), 0, 0, 0, 0, 0)
+def end(lease_id: str, heads: range | None = None) -> bytes:
+    """An END frame of a push of KV heads ``heads`` (None: all)."""
+    head, n = _head_fields(heads)
+    return FRAME.pack(END, 0, head, n, lease_field(lease_id), 0, 0, 0, 0, 0)
 
 
 def parse_frame(raw: bytes | bytearray | memoryview) -> Frame:
     """A whole :data:`FRAME`, checked: raises WireError for anything a sender never
     writes (unknown kinds or flags, empty or oversized spans, an END that carries more
-    than a lease id)."""
-    kind, flags, reserved, lease, layer, start, count, nbytes, crc = FRAME.unpack(raw)
-    if reserved:
-        raise WireError("a frame's reserved field is not 0")
+    than a lease id and heads)."""
+    kind, flags, head, heads, lease, layer, start, count, nbytes, crc = FRAME.unpack(raw)
+    if head and not heads:
+        raise WireError("a frame names a first KV head but no heads")
     if kind == SPAN:
         if flags & ~HAS_CRC:
             raise WireError(f"unknown span flags {flags:#x}")
@@ -211,11 +237,11 @@ def parse_frame(raw: bytes | bytearray | memoryview) -> Frame:
         if nbytes > MAX_SPAN_BYTES:
             raise WireError(f"a span of {nbytes} bytes; spans are at most {MAX_SPAN_BYTES}")
         return Frame(SPAN, lease_text(lease), layer, start, count, nbytes,
-                     crc if flags & HAS_CRC else None)  # fmt: skip
+                     crc if flags & HAS_CRC else None, head, heads)  # fmt: skip
     if kind == END:
         if flags or layer or start or count or nbytes or crc:
-            raise WireError("an END frame carries only a lease id")
-        return Frame(END, lease_text(lease))
+            raise WireError("an END frame carries only a lease id and heads")
+        return Frame(END, lease_text(lease), head=head, heads=heads)
     raise WireError(f"unknown frame kind {kind}")
 
 

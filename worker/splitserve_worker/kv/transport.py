@@ -74,6 +74,9 @@ class TransferTarget:
     kv_ranks: tuple[RankTarget, ...] = ()
     """The decode worker's ranks when its pool is split over them (:mod:`.head_split`
     pushes each its heads); empty: one pool of every head."""
+    pool_heads: range | None = None
+    """The KV heads of the receiving pool this push carries (a prefill rank's own, into a
+    pool that holds more: :mod:`.head_split`); None: every head of it."""
 
 
 @dataclass

@@ -60,6 +60,14 @@ class RankParts(Protocol):
     def wait_placed(self, lease: Lease, timeout: float) -> bool: ...
 
 
+def check_heads(heads: range | None, msg: KVSpan) -> None:
+    """A ``PushKV`` stream's spans after its first carry the first's KV heads: one push
+    acknowledges one set of heads."""
+    if msg.head_range != heads:
+        raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
+                         "one PushKV stream carries one set of KV heads")  # fmt: skip
+
+
 def compat_mismatch(got: str, compat: Compat) -> RpcFailure:
     """The refusal of a ``PushKV`` stream whose compat hash is ``got``, not ``compat``'s."""
     return RpcFailure(
@@ -179,6 +187,7 @@ class DecodeHandoff:
             num_layers=self.compat.num_layers,
             ttl=ttl,
             backend=backend,
+            kv_heads=self.pool.kv_heads,
         )
         kv_ranks: list[pb.KVRank] = []
         if self.ranks is not None:
@@ -253,6 +262,7 @@ class DecodeHandoff:
     async def push(self, messages: AsyncIterator[KVSpan]) -> pb.PushKVAck:
         """A ``PushKV`` call (backend ``grpc``), on the event loop."""
         lease: Lease | None = None
+        heads: range | None = None
         try:
             async for msg in messages:
                 if lease is None:
@@ -262,8 +272,11 @@ class DecodeHandoff:
                         raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
                                          "one PushKV stream carries one request")  # fmt: skip
                     self.check_next(lease)
+                    check_heads(heads, msg)
+                heads = msg.head_range
                 self.span_receiver("grpc").write(lease, msg.layer, msg.start_token,
-                                                 msg.num_tokens, msg.data, msg.crc32)  # fmt: skip
+                                                 msg.num_tokens, msg.data, msg.crc32,
+                                                 heads)  # fmt: skip
                 self.count_received("grpc", len(msg.data))
                 if self.holds.directory:
                     await self.holds.wait_async("receive")
@@ -278,7 +291,7 @@ class DecodeHandoff:
             raise
         if lease is None:
             return pb.PushKVAck()
-        return await self.end_push(lease)
+        return await self.end_push(lease, heads)
 
     async def fail_push(self, lease: Lease, error: BaseException | None) -> None:
         """A push broke: a corrupt one frees its blocks; otherwise they are freed unless the
@@ -289,10 +302,12 @@ class DecodeHandoff:
         elif self.leases.holds(lease):
             await self.drop(lease.request_id, "stream")
 
-    async def end_push(self, lease: Lease) -> pb.PushKVAck:
+    async def end_push(self, lease: Lease, heads: range | None) -> pb.PushKVAck:
+        """One push of KV heads ``heads`` of the pool (None: all) ended: what its heads
+        hold now."""
         await self._end_push(lease)
         return pb.PushKVAck(
-            layers_received=lease.layers_complete, bytes_received=lease.bytes_received
+            layers_received=lease.layers_complete_over(heads), bytes_received=lease.bytes_received
         )
 
     async def open_tcp_push(self, lease_id: str) -> Lease:

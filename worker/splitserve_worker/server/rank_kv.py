@@ -62,7 +62,7 @@ from splitserve_worker.parallel.collectives import RankGroup, RankLost
 from splitserve_worker.parallel.layout import TPLayout
 from splitserve_worker.server.errors import RpcFailure
 from splitserve_worker.server.grpc_listen import ServerThread
-from splitserve_worker.server.handoff import compat_mismatch, wrong_backend
+from splitserve_worker.server.handoff import check_heads, compat_mismatch, wrong_backend
 from splitserve_worker.server.service import add_to_server
 from splitserve_worker.server.tcp_sink import check_budget, refusal_of
 
@@ -155,7 +155,8 @@ class RankReceiver:
         self.rank = rank
         self.compat = compat
         self.leases = LeaseTable()
-        ctx = BackendContext(compat=compat, pool=PoolView(pool), leases=self.leases)
+        self.pool = PoolView(pool)
+        ctx = BackendContext(compat=compat, pool=self.pool, leases=self.leases)
         self.receiver = SpanReceiver(ctx, "rank")
         """Both ports' writes: a lease's end waits for those under way through either."""
         self._store = _client(store_port)
@@ -211,7 +212,8 @@ class RankReceiver:
             raise RpcFailure(grpc.StatusCode.ABORTED, f"the reservation of request "
                              f"{lease.request_id!r} was dropped mid-push")  # fmt: skip
         try:
-            rx.write(lease, span.layer, span.start_token, span.num_tokens, span.data, span.crc32)
+            rx.write(lease, span.layer, span.start_token, span.num_tokens, span.data, span.crc32,
+                     span.head_range)  # fmt: skip
         except TransferError as e:
             raise RpcFailure(grpc.StatusCode.DATA_LOSS, str(e)) from None
         finally:
@@ -225,7 +227,7 @@ class RankReceiver:
         if isinstance(step, ExpectKV):
             self.leases.add(step.request_id, list(step.block_ids), num_tokens=step.num_tokens,
                             num_layers=step.num_layers, ttl=RANK_LEASE_S, backend=step.backend,
-                            lease_id=step.lease_id)  # fmt: skip
+                            kv_heads=self.pool.kv_heads, lease_id=step.lease_id)  # fmt: skip
         elif isinstance(step, ForgetKV):
             lease = self.leases.pop(step.request_id)
             busy = lease is not None and self.receiver.placing(lease)
@@ -259,22 +261,26 @@ class RankPushKV:
             itself (on this loop, with no await between its begin and end)."""
 
         lease: Lease | None = None
+        heads: range | None = None
         try:
             async for msg in messages:
                 if lease is None:
                     lease = self._rx.lease(msg.lease_id, "grpc", msg.request_id)
                     if msg.compat_hash != self._rx.compat.hash:
                         raise compat_mismatch(msg.compat_hash, self._rx.compat)
-                elif msg.lease_id != lease.lease_id or msg.request_id != lease.request_id:
-                    raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
-                                     "one PushKV stream carries one request")  # fmt: skip
+                else:
+                    if msg.lease_id != lease.lease_id or msg.request_id != lease.request_id:
+                        raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
+                                         "one PushKV stream carries one request")  # fmt: skip
+                    check_heads(heads, msg)
+                heads = msg.head_range
                 self._rx.write(lease, msg, abort)
         except RpcFailure as e:
             await context.abort(e.code, e.message)
         if lease is None:
             return pb.PushKVAck()
         return pb.PushKVAck(
-            layers_received=lease.layers_complete, bytes_received=lease.bytes_received
+            layers_received=lease.layers_complete_over(heads), bytes_received=lease.bytes_received
         )
 
 
@@ -298,11 +304,12 @@ class RankSink:
         lease = self._lease(frame.lease_id)
         rx = self._rx.receiver
         try:
-            views = rx.views(lease, frame.layer, frame.start, frame.count, frame.nbytes)
+            views = rx.views(lease, frame.layer, frame.start, frame.count, frame.nbytes,
+                             frame.head_range)  # fmt: skip
             check_budget(lease, frame)
         except (RpcFailure, TransferError) as e:
             raise Refused(refusal_of(e)) from None
-        if views is None:  # a pool off the host: staged here, then copied in
+        if views is None:  # a pool off the host, or some heads: staged, then copied in
             self._staged = bytearray(frame.nbytes)
             views = [memoryview(self._staged)]
         if not rx.begin_placing(lease, self._abort):
@@ -318,7 +325,8 @@ class RankSink:
         try:
             if self._staged is not None:
                 data, self._staged = memoryview(self._staged), None
-                rx.write(lease, frame.layer, frame.start, frame.count, data, frame.crc32)
+                rx.write(lease, frame.layer, frame.start, frame.count, data, frame.crc32,
+                         frame.head_range)  # fmt: skip
             else:
                 rx.placed(lease, frame.layer, frame.start, frame.count, self._views, frame.crc32)
         except TransferError as e:
@@ -334,9 +342,9 @@ class RankSink:
             self._placing = None
         self._views = []
 
-    def end(self, lease_id: str) -> tuple[int, int]:
+    def end(self, lease_id: str, heads: range | None) -> tuple[int, int]:
         lease = self._lease(lease_id)
-        return lease.layers_complete, lease.bytes_received
+        return lease.layers_complete_over(heads), lease.bytes_received
 
     def close(self, error: BaseException | None) -> None:
         # a broken push leaves its lease incomplete: rank 0's Commit fails and frees it

@@ -1,17 +1,17 @@
 """A prefill worker over tensor-parallel ranks: each rank pushes its own KV heads.
 
-When the decode worker's pool is split over ranks too (its handle lists them), and each
-of its ranks' heads lie within one prefill rank's, no layer is gathered: rank 0 sends
-the other ranks the prefill's forwards with a :class:`PushOrder` (the handle's target and
-backend), and every rank that holds a distinct set of heads (with replicated heads, the
-first of their ranks) pushes them straight to the decode ranks holding them
-(:mod:`splitserve_worker.kv.head_split`). Each rank ``r > 0`` says in the worker's store
-how its push ended (``kv-sent/<lease>/<r>``: ``ok`` or the error); rank 0 commits only
-once its own push and every other rank's have been acknowledged by the decode ranks.
+Over the span backends (``tcp``, ``grpc``) no layer is gathered, whatever the decode
+worker's layout: rank 0 sends the other ranks the prefill's forwards with a
+:class:`PushOrder` (the handle's target and backend), and every rank that holds a
+distinct set of heads (with replicated heads, the first of their ranks) pushes them
+straight to the decode ranks holding them, or into the decode worker's one pool
+(:mod:`splitserve_worker.kv.head_split`: a span names the heads of the pool it fills).
+Each rank ``r > 0`` says in the worker's store how its push ended (``kv-sent/<lease>/<r>``:
+``ok`` or the error); rank 0 commits only once its own push and every other rank's have
+been acknowledged by the decode side.
 
-Otherwise (the decode worker holds every head in one pool, or its ranks cut across
-this worker's) rank 0 gathers each layer's heads through the group and pushes them, as
-spans carry whole tokens of one pool's heads.
+Over NIXL (which writes whole blocks of one pool) rank 0 gathers each layer's heads
+through the group and pushes them.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from splitserve.kv_compat import Compat
 from splitserve.tls import TlsConfig
 
 from splitserve_worker.engine.model_runner import RankPush
-from splitserve_worker.kv.head_split import open_split, overlap
+from splitserve_worker.kv.head_split import open_split
 from splitserve_worker.kv.transport import (
+    SPAN_BACKENDS,
     BackendContext,
     KVSender,
     SenderBackend,
@@ -72,18 +73,9 @@ class RankPushSpec:
     transfer_timeout_s: float
 
 
-def pushes_directly(layout: TPLayout, target: TransferTarget) -> bool:
-    """Whether each decode rank's heads lie within one of this worker's source ranks'
-    (then every rank pushes its own; else rank 0 gathers)."""
-    if not target.kv_ranks or layout.world == 1:
-        return False
-    for r in target.kv_ranks:
-        want = range(r.kv_head_start, r.kv_head_stop)
-        for s in layout.kv_owners():
-            got = overlap(layout.kv_heads(s), want)
-            if got and got != want:
-                return False
-    return True
+def pushes_directly(layout: TPLayout, backend: str) -> bool:
+    """Whether every rank pushes its own heads over ``backend`` (else rank 0 gathers)."""
+    return layout.world > 1 and backend in SPAN_BACKENDS
 
 
 def _client(store_port: int) -> Any:
@@ -187,8 +179,8 @@ class RankPushes:
         self._store = _client(store_port)
         self._lock = threading.Lock()
 
-    def direct(self, target: TransferTarget) -> bool:
-        return pushes_directly(self.layout, target)
+    def direct(self, backend: str) -> bool:
+        return pushes_directly(self.layout, backend)
 
     def wait_sent(self, lease_id: str, timeout: float) -> str | None:
         """None once every other source rank's push was acknowledged; else why not (a

@@ -43,7 +43,8 @@ def check_budget(lease: Lease, frame: Frame) -> None:
     """A push sends each token of each layer once: no more bytes than its reservation
     holds (``frame`` checked already to carry ``count`` whole tokens), so one lease
     cannot carry an endless stream of frames, each renewing it."""
-    reserved = lease.num_layers * lease.num_tokens * (frame.nbytes // frame.count)
+    per_token = frame.nbytes // frame.count // (frame.heads or lease.kv_heads) * lease.kv_heads
+    reserved = lease.num_layers * lease.num_tokens * per_token
     if lease.bytes_received + frame.nbytes > reserved:
         raise RpcFailure(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -86,9 +87,9 @@ class HandoffSink:
             else:
                 self._h.check_next(lease)
             views = self._receiver.views(lease, frame.layer, frame.start, frame.count,
-                                         frame.nbytes)  # fmt: skip
+                                         frame.nbytes, frame.head_range)  # fmt: skip
             check_budget(lease, frame)
-            if views is None:  # a pool off the host: staged here, then copied in
+            if views is None:  # a pool off the host, or some heads: staged, then copied in
                 self._staged = bytearray(frame.nbytes)
                 views = [memoryview(self._staged)]
             if not self._receiver.begin_placing(lease, self._abort):
@@ -113,7 +114,7 @@ class HandoffSink:
             if self._staged is not None:
                 data, self._staged = memoryview(self._staged), None
                 self._receiver.write(lease, frame.layer, frame.start, frame.count, data,
-                                     frame.crc32)  # fmt: skip
+                                     frame.crc32, frame.head_range)  # fmt: skip
             else:
                 self._receiver.placed(lease, frame.layer, frame.start, frame.count,
                                       self._views, frame.crc32)  # fmt: skip
@@ -126,9 +127,9 @@ class HandoffSink:
         if self._h.holds.directory:  # as PushKV does: at each span while armed
             self._h.holds.wait("receive")
 
-    def end(self, lease_id: str) -> tuple[int, int]:
+    def end(self, lease_id: str, heads: range | None) -> tuple[int, int]:
         lease = self._open.pop(lease_id)
-        ack = self._on_loop(self._h.end_push(lease))
+        ack = self._on_loop(self._h.end_push(lease, heads))
         return ack.layers_received, ack.bytes_received
 
     def close(self, error: BaseException | None) -> None:
