@@ -86,17 +86,7 @@ def test_a_tensor_parallel_size_the_model_or_role_cannot_take(tiny_model_path: P
     # 4 attention heads, 2 KV heads: 3 ranks cannot split them; no rank is started for it
     said(splitserve(*base, "--role", "both", "--tensor-parallel-size", "3"), 2,
          "--tensor-parallel-size may be 1, 2, 4")  # fmt: skip
-    # each rank of a decode worker receives its own KV heads, over tcp or grpc: not nixl
-    said(splitserve(*base, "--role", "decode", "--tensor-parallel-size", "2", "--kv-backend",
-                    "nixl"), 2, "--tensor-parallel-size 2 with --role decode takes "
-                    "--kv-backend tcp or grpc: each rank receives its own KV heads on ports of "
-                    "its own, which nixl does not reach")  # fmt: skip
     said(splitserve(*base, "--role", "both", "--tensor-parallel-size", "0"), 2,
          "--tensor-parallel-size must be >= 1")  # fmt: skip
     said(splitserve("up", "--model", str(tiny_model_path), "--port", "0", "--decode-tp", "0"), 1,
          "--decode-tp must be >= 1")  # fmt: skip
-    # refused before any worker starts, as the worker itself would refuse it
-    said(splitserve("up", "--model", str(tiny_model_path), "--port", "0", "--decode-tp", "2",
-                    "--kv-backend", "nixl"), 1, "--decode-tp 2 takes --kv-backend tcp or grpc: "
-                    "each rank receives its own KV heads on ports of its own, which nixl does "
-                    "not reach")  # fmt: skip

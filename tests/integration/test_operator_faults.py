@@ -97,12 +97,6 @@ INVALID: list[tuple[str, Any, str]] = [
     ("bad-node-selector", _spec(prefill__nodeSelector={"zone": 3}), "spec.prefill.nodeSelector"),
     ("affinity-as-list", _spec(decode__affinity=[{"nodeAffinity": {}}]), "spec.decode.affinity"),
     ("unknown-field", _spec(turbo=True), "spec.turbo: Extra inputs are not permitted"),
-    (
-        "decode-tp",  # a decode worker of 2 ranks over nixl would exit: refused before any pod
-        _spec(decode__gpus=2, kvTransfer__backend="nixl"),
-        "KV heads over tcp or grpc, not nixl: set kvTransfer.backend: tcp (or grpc), or "
-        "decode.tensorParallelSize: 1",
-    ),
     ("Bad.Name", copy.deepcopy(VALID), "metadata.name"),
     ("x" * 60, copy.deepcopy(VALID), "at most 48 characters"),
 ]

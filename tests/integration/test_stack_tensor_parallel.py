@@ -1,15 +1,16 @@
 """Tensor-parallel workers through the router's API: prefill and decode workers of any
-tensor-parallel sizes (P(TP2)->D(TP1), P(TP1)->D(TP2), P(TP2)->D(TP2)), over tcp and
-over grpc, and a colocated worker over two ranks give transformers' greedy tokens, and
+tensor-parallel sizes (P(TP2)->D(TP1), P(TP1)->D(TP2), P(TP2)->D(TP2)), over tcp, grpc
+and NIXL, and a colocated worker over two ranks give transformers' greedy tokens, and
 the same seeded samples as each other; a decode worker over two ranks gets each rank's
 heads straight into that rank's pool (a port per rank and backend), its blocks all come
-back, a backend that cannot reach its ranks is refused at Reserve, and a rank's own
+back, each rank is named at Reserve for every backend (over NIXL by its own agent), and a rank's own
 gRPC port refuses a push without the worker token or into a lease it does not hold,
 leaving the free blocks as they were; the ranks' processes end with their worker."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ from splitserve_worker.client import WorkerClient
 from splitserve_worker.commands.up import WorkerProcs
 from splitserve_worker.kv.grpc_sender import GrpcSenderBackend, push_address
 from splitserve_worker.kv.tcp_wire import parse_metadata
-from splitserve_worker.kv.transport import BackendContext, TransferError
+from splitserve_worker.kv.transport import BackendContext, TransferError, unavailable_reason
 from splitserve_worker.models import torch_dtype
 from splitserve_worker.router.discovery import WorkerEndpoint
 from splitserve_worker.server.convert import compat_from_proto, target_from_handle
@@ -46,6 +47,11 @@ from stack_kit import (  # noqa: F401  (fixtures)
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 TOKEN = secrets.token_hex(8)
+NIXL_SKIP = unavailable_reason("nixl")
+KV_BACKEND = "nixl" if NIXL_SKIP is None else "tcp"
+"""What the workers are started with: a decode worker takes tcp and grpc always, and
+NIXL when told (where it installs)."""
+NIXL = pytest.mark.skipif(NIXL_SKIP is not None, reason=NIXL_SKIP or "")
 TP = {Role.PREFILL: 2, Role.DECODE: 1, Role.BOTH: 2}
 TP_DECODE = {Role.PREFILL: 1, Role.DECODE: 2}
 PIDS: dict[str, int] = {}
@@ -53,7 +59,8 @@ PIDS: dict[str, int] = {}
 
 
 def _start(model: Path, roles: list[Role], tp: dict[Role, int]) -> Any:
-    return WorkerProcs(str(model), roles, TOKEN, threads=1, echo=False, tensor_parallel=tp)
+    return WorkerProcs(str(model), roles, TOKEN, threads=1, echo=False, tensor_parallel=tp,
+                       kv_backend=KV_BACKEND)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +99,10 @@ def _blocks(ep: WorkerEndpoint) -> tuple[int, int, int]:
     ("pair", "backend"),
     [
         *((pair, backend) for pair in ("p2d1", "p1d2", "p2d2") for backend in ("tcp", "grpc")),
+        *(
+            pytest.param(pair, "nixl", marks=[NIXL, pytest.mark.nixl])
+            for pair in ("p2d1", "p1d2", "p2d2")
+        ),
         ("colocated", "tcp"),
     ],
 )
@@ -123,7 +134,7 @@ def test_seeded_samples_agree_across_tp_stacks(tp_workers: Any, tokenizer: Any) 
     assert all(g == got[0] for g in got[1:]), got
 
 
-def test_a_split_decode_pool_names_its_ranks_and_refuses_what_cannot_reach_them(
+def test_a_split_decode_pool_names_its_ranks_for_every_backend_it_takes(
     tp_workers: Any,
 ) -> None:
     async def go() -> None:
@@ -140,10 +151,17 @@ def test_a_split_decode_pool_names_its_ranks_and_refuses_what_cannot_reach_them(
         # rank 0 on the worker's own gRPC port, rank 1 on a port of its own
         assert g.kv_ranks[0].backend_metadata == b"" and g.kv_ranks[1].backend_metadata
         await d2.release("ranks-grpc")
+        if NIXL_SKIP is None:  # each rank's own agent, its pool registered
+            n = await d2.reserve("ranks-nixl", 40, compat, kv_backend="nixl")
+            assert [(r.rank, r.kv_head_start, r.kv_head_stop) for r in n.kv_ranks] == heads
+            agents = {json.loads(r.backend_metadata.partition(b"\n")[0])["agent"]
+                      for r in n.kv_ranks}  # fmt: skip
+            assert len(agents) == 2
+            await d2.release("ranks-nixl")
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await d2.reserve("ranks-nixl", 40, compat, kv_backend="nixl")
+            await d2.reserve("ranks-rdma", 40, compat, kv_backend="rdma")
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "not 'nixl'" in (e.value.details() or "")
+        assert "not 'rdma'" in (e.value.details() or "")
         h2 = await d2.health()
         assert (h2.free_blocks, h2.leases) == (free, 0)
 

@@ -13,6 +13,7 @@ naming heads the pool does not hold, or a stream that changes its heads, is refu
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -29,12 +30,15 @@ from splitserve.v1 import worker_pb2 as pb
 from splitserve_worker.kv import kvwire
 from splitserve_worker.kv.grpc_sender import CHANNEL_OPTIONS, push_address
 from splitserve_worker.kv.head_split import check_cover, open_split, pool_part, rank_parts
+from splitserve_worker.kv.nixl_common import loopback_env
 from splitserve_worker.kv.transport import (
+    SPAN_BACKENDS,
     BackendContext,
     RankTarget,
     TransferError,
     TransferTarget,
     create_sender_backend,
+    unavailable_reason,
 )
 from splitserve_worker.parallel.layout import TPLayout
 from splitserve_worker.server.rank_kv import (
@@ -48,6 +52,8 @@ from splitserve_worker.server.rank_kv import (
 from tls_kit import SERVER_NAME, make_tls_files
 
 TOKEN = "head-split-token"
+NIXL_SKIP = unavailable_reason("nixl")
+loopback_env()
 LAYERS, BLOCK, HD, NBLOCKS = 2, 4, 8, 8
 
 
@@ -71,10 +77,12 @@ def _compat(kv_heads: int) -> Compat:
     return Compat("m", "float32", BLOCK, LAYERS, kv_heads, HD, "test")
 
 
-def _ranks(store: object, kv_heads: int, world: int,
-           tls: TlsConfig | None = None) -> tuple[list[RankReceiver], TPLayout]:  # fmt: skip
+def _ranks(
+    store: object, kv_heads: int, world: int, tls: TlsConfig | None = None,
+    backends: tuple[str, ...] = SPAN_BACKENDS,
+) -> tuple[list[RankReceiver], TPLayout]:  # fmt: skip
     layout = TPLayout(world, 0, num_heads=12, num_kv_heads=kv_heads, intermediate_size=12)
-    spec = RankKVSpec("127.0.0.1", 0, TOKEN, tls or TlsConfig(), world)
+    spec = RankKVSpec("127.0.0.1", 0, TOKEN, tls or TlsConfig(), world, backends)
     rxs = []
     for r in range(world):
         n = len(layout.kv_heads(r))
@@ -330,3 +338,59 @@ def test_one_push_kv_stream_carries_one_set_of_heads(store: object) -> None:
         assert "one set of KV heads" in (err.value.details() or "")
     finally:
         rx.close()
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(NIXL_SKIP is not None, reason=NIXL_SKIP or "")
+@pytest.mark.parametrize(("kv_heads", "prefill", "decode"), [(4, 1, 2), (4, 2, 2), (4, 1, 4)])
+def test_nixl_writes_each_rank_its_heads_into_the_pool_its_own_agent_registered(
+    store: object, kv_heads: int, prefill: int, decode: int
+) -> None:
+    """Each decode rank registers its own pool with an agent of its own and names it in
+    the store; a sender holding whole ranks' heads writes each rank its blocks, and each
+    rank says it is placed once every layer's notification came."""
+    rxs, layout = _ranks(store, kv_heads, decode, backends=(*SPAN_BACKENDS, "nixl"))
+    source = TPLayout(prefill, 0, num_heads=kv_heads, num_kv_heads=kv_heads, intermediate_size=12)
+    n, blocks = 11, (6, 2, 3)
+    k = torch.randn(LAYERS, n, kv_heads, HD)
+    v = torch.randn(LAYERS, n, kv_heads, HD)
+    target = _handle(store, layout, "nixl", n, blocks)
+    for rx in rxs:
+        assert rx.handle(ExpectKV("r1", "lease1", blocks, n, LAYERS, "nixl"), Barrier())  # type: ignore[arg-type]
+    backend = create_sender_backend("nixl", BackendContext(compat=_compat(kv_heads), token=TOKEN))
+    try:
+        for own in (source.kv_heads(r) for r in source.kv_owners()):
+            sender = open_split(backend, target, own, kv_heads)
+            for layer in range(LAYERS):
+                sender.send_layer(layer, k[layer][:, own.start : own.stop],
+                                  v[layer][:, own.start : own.stop], 0)  # fmt: skip
+            assert sender.finish(30).layers_sent == LAYERS
+        for r, rx in enumerate(rxs):
+            heads = layout.kv_heads(r)
+            lease = rx.leases.find("lease1")
+            assert _settle(lease)  # every layer's notification polled
+            for layer in range(LAYERS):
+                got_k, got_v = rx.pool.read(layer, list(blocks), 0, n)
+                assert torch.equal(got_k, k[layer][:, heads.start : heads.stop])
+                assert torch.equal(got_v, v[layer][:, heads.start : heads.stop])
+            deadline = time.monotonic() + 10
+            while not store.check([placed_key("lease1", r)]) and time.monotonic() < deadline:  # type: ignore[attr-defined]
+                time.sleep(0.01)
+            assert store.check([placed_key("lease1", r)])  # type: ignore[attr-defined]
+        # NIXL writes whole blocks of a pool: never a part of its heads
+        part = replace(target, kv_ranks=(), backend_metadata=target.kv_ranks[0].backend_metadata,
+                       pool_heads=range(0, 1))  # fmt: skip
+        with pytest.raises(TransferError, match="NIXL writes whole blocks of a pool"):
+            backend.open(part)
+    finally:
+        backend.close()
+        for rx in rxs:
+            rx.close()
+
+
+def _settle(lease: Any, within_s: float = 10.0) -> bool:
+    """Whether ``lease`` completes within ``within_s`` (the notifications are polled)."""
+    deadline = time.monotonic() + within_s
+    while not lease.complete and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(lease.complete)

@@ -257,7 +257,6 @@ def _overlay_check(pool: str, field: str) -> Callable[[], None]:
 
 def _router_account() -> None:
     """Refused on the router: it runs as the account the operator binds to discovery."""
-    from splitserve_operator.api.parse import SpecError
 
     with pytest.raises(SpecError, match="prefill and decode pools only"):
         parse_spec({**BASE, "router": {"podTemplate": {"serviceAccountName": "x"}}})
@@ -337,15 +336,13 @@ def _model_cache() -> None:
 
 
 def _decode_tensor_parallel() -> None:
-    """A decode pool over several ranks renders them (over tcp or grpc; nixl is refused,
-    saying what to set), and ``tensorParallelSize: 1`` on a pod of four GPUs renders one
-    rank."""
+    """A decode pool over several ranks renders them (over every KV backend), and
+    ``tensorParallelSize: 1`` on a pod of four GPUs renders one rank."""
     tp2 = {"gpus": 4, "tensorParallelSize": 2}
-    with pytest.raises(SpecError, match=r"KV heads over tcp or grpc, not nixl: set kvTransfer"):
-        objects({"decode": tp2, "kvTransfer": {"backend": "nixl"}})
-    over_grpc = objects({"decode": tp2, "kvTransfer": {"backend": "grpc"}})
-    assert arg(over_grpc, "decode", "--tensor-parallel-size") == "2"
-    assert arg(over_grpc, "decode", "--kv-backend") == "grpc"
+    for backend in ("grpc", "nixl"):
+        over = objects({"decode": tp2, "kvTransfer": {"backend": backend}})
+        assert arg(over, "decode", "--tensor-parallel-size") == "2"
+        assert arg(over, "decode", "--kv-backend") == backend
     two = objects({"decode": tp2})
     assert arg(two, "decode", "--tensor-parallel-size") == "2"
     assert "dshm" in {v["name"] for v in pod(two, "decode")["volumes"]}

@@ -39,7 +39,6 @@ from splitserve_operator.api.values import (
     MODEL_MOUNT,
     PVC_SOURCE,
     QUANTITY_PATTERN,
-    RANK_BACKENDS,
     SUBDOMAIN_PATTERN,
     URL_PATTERN,
     Dtype,
@@ -402,13 +401,6 @@ class NetworkPolicySpec(SpecModel):
     any namespace; ``[]``: nobody."""
 
 
-def _tp_source(pool: WorkerPoolSpec) -> str:
-    """Which field set a pool's tensor parallelism, for an error message."""
-    if pool.tensor_parallel_size is not None:
-        return f"tensorParallelSize {pool.tensor_parallel_size}"
-    return f"gpus {pool.gpus} and no tensorParallelSize"
-
-
 class InferenceServiceSpec(SpecModel):
     model: ModelSpec
     image: Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=r"^\S+$")]
@@ -445,18 +437,6 @@ class InferenceServiceSpec(SpecModel):
             raise ValueError("autoscaling needs its targets: set slo.ttft and slo.tpot")
         if self.autoscaling.decode.min_replicas < 1 and self.autoscaling.enabled:
             raise ValueError("autoscaling.decode.minReplicas must be at least 1")
-        rank_pools = [("decode", self.decode)]
-        if self.flex is not None:
-            rank_pools.append(("flex", self.flex))
-        backend = self.kv_transfer.backend
-        for name, pool in rank_pools:
-            if pool.tensor_parallel > 1 and backend not in RANK_BACKENDS:
-                raise ValueError(
-                    f"{name} tensor parallelism {pool.tensor_parallel} ({_tp_source(pool)}): "
-                    f"decode workers over several tensor-parallel ranks receive each rank's "
-                    f"KV heads over tcp or grpc, not {backend.value}: set kvTransfer.backend: "
-                    f"tcp (or grpc), or {name}.tensorParallelSize: 1"
-                )
         return self
 
     def worker_pool(self, pool: Pool) -> WorkerPoolSpec:

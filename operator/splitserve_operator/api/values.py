@@ -148,11 +148,6 @@ class KvBackend(StrEnum):
     NIXL = "nixl"
 
 
-RANK_BACKENDS = (KvBackend.TCP, KvBackend.GRPC)
-"""The backends that reach each tensor-parallel rank of a decode worker in its own pool
-(each rank serves them on ports of its own; NIXL would need every rank's memory named)."""
-
-
 class Disaggregation(StrEnum):
     AUTO = "auto"
     ALWAYS = "always"

@@ -49,7 +49,6 @@ from splitserve.tls import TlsConfig, TlsError
 from splitserve_worker.commands.router import API_KEY_ENV, SECRET_ON_COMMAND_LINE, read_secret
 from splitserve_worker.commands.tls_flags import add_tls_arguments, tls_args, tls_from_args
 from splitserve_worker.commands.worker import METRICS_PREFIX, READY_PREFIX
-from splitserve_worker.kv.transport import SPAN_BACKENDS
 from splitserve_worker.router.discovery import WorkerEndpoint
 
 DEMO_QUESTION = "What is the capital of France? Answer in one short sentence."
@@ -201,22 +200,13 @@ def stack_roles(prefill: int, decode: int, colocated: int) -> list[Role]:
     return roles
 
 
-def stack_tensor_parallel(
-    prefill: int, decode: int, colocated: int, kv_backend: str
-) -> dict[Role, int]:
-    """Each role's tensor-parallel size, checked before any worker starts (a worker that
-    receives KV over several ranks takes it on each rank's own ports: tcp or grpc)."""
+def stack_tensor_parallel(prefill: int, decode: int, colocated: int) -> dict[Role, int]:
+    """Each role's tensor-parallel size, checked before any worker starts."""
     sizes = {Role.PREFILL: prefill, Role.DECODE: decode, Role.BOTH: colocated}
     for role, n in sizes.items():
         flag = "--colocated-tp" if role is Role.BOTH else f"--{role.value}-tp"
         if n < 1:
             raise StackError(f"{flag} must be >= 1, got {n}")
-        if n > 1 and role.can_decode and kv_backend not in SPAN_BACKENDS:
-            raise StackError(
-                f"{flag} {n} takes --kv-backend {' or '.join(SPAN_BACKENDS)}: each rank "
-                f"receives its own KV heads on ports of its own, which {kv_backend} does not "
-                f"reach; use --kv-backend tcp, or {flag} 1"
-            )
     return sizes
 
 
@@ -399,7 +389,7 @@ async def _main(args: argparse.Namespace) -> int:
                 args.colocated)  # fmt: skip
     roles = [*stack_roles_unchecked(prefill, decode, args.colocated), *flex]
     worker_args = [*args.worker_arg, "--switchable"] if flex else args.worker_arg
-    tp = stack_tensor_parallel(args.prefill_tp, args.decode_tp, args.colocated_tp, args.kv_backend)
+    tp = stack_tensor_parallel(args.prefill_tp, args.decode_tp, args.colocated_tp)
     check_port_free("127.0.0.1", args.port)
     # once, before any worker: a wrong name fails here, and the workers find the built-in
     # model converted (or a hub checkpoint fetched) rather than each doing it at once

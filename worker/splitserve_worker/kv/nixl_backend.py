@@ -321,6 +321,13 @@ class NixlSenderBackend:
     def open(self, target: TransferTarget) -> NixlSender:
         if not target.backend_metadata:
             raise TransferError("the handle carries no NIXL metadata: Reserve with kv_backend=nixl")
+        if target.pool_heads is not None:
+            raise TransferError(
+                f"NIXL writes whole blocks of a pool, not KV heads {target.pool_heads.start}.."
+                f"{target.pool_heads.stop} of one: gather the heads first, or push over tcp "
+                "or grpc",
+                "handle",
+            )
         return NixlSender(self, target, self.remote(target.backend_metadata))
 
     def lane(self, layer: int) -> Lane:
@@ -396,6 +403,12 @@ class NixlSender:
             self.fail(f"no in-flight layer finished for {SLOT_WAIT_S:.0f} s", "timeout")
             return
         n, tb = int(k.shape[0]), self.remote.token_bytes
+        if n and k[0].numel() * k.element_size() != tb:
+            self._free.put(slot)
+            self.fail(f"layer {layer}: {k[0].numel() * k.element_size()} bytes of K per token, "
+                      f"the decode pool holds {tb}: the workers' KV layouts differ",
+                      "shape")  # fmt: skip
+            return
         if self._crc:
             self._crc[2 * layer] = zlib.crc32(as_bytes(k), self._crc[2 * layer])
             self._crc[2 * layer + 1] = zlib.crc32(as_bytes(v), self._crc[2 * layer + 1])

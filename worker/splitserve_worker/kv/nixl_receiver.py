@@ -7,6 +7,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 
 from splitserve_worker.kv.layout import PoolView
 from splitserve_worker.kv.lease import Lease, LeaseError, LeaseTable
@@ -25,10 +26,14 @@ from splitserve_worker.kv.transport import BackendContext
 class NixlReceiver:
     name = "nixl"
 
-    def __init__(self, ctx: BackendContext) -> None:
+    def __init__(self, ctx: BackendContext,
+                 on_complete: Callable[[Lease], None] | None = None) -> None:  # fmt: skip
+        """``on_complete``: called (on the poller's thread) once a lease's last layer has
+        landed (a decode worker's rank ``r > 0`` tells rank 0 so)."""
         assert ctx.pool is not None and ctx.leases is not None
         self._pool: PoolView = ctx.pool
         self._leases: LeaseTable = ctx.leases
+        self._on_complete = on_complete
         self._name = f"{ctx.name_hint}-d{os.getpid()}-{secrets.token_hex(4)}"
         pool = self._pool.pool
         bind_device(pool.device)  # UCX registers GPU memory in the caller's CUDA context
@@ -67,10 +72,13 @@ class NixlReceiver:
         try:
             rid, lid, layer, n = parse_notif(msg)
             lease = self._leases.get(rid, lid)
+            was = lease.complete
             # a layer landing renews the lease, as a span does on the other backends
             self._leases.record(lease, layer, 0, n, 2 * n * self._pool.token_bytes, renew=True)
         except (ValueError, LeaseError):
             return  # a stale or foreign notification: its lease is already gone
+        if self._on_complete is not None and lease.complete and not was:
+            self._on_complete(lease)
 
     def wait_layers(self, lease: Lease, timeout: float) -> bool:
         with self._cond:

@@ -113,12 +113,15 @@ async def start_worker(
 
         device.on_failure(failed)
         engine_config: Any = config.engine_config()
+        # tcp and grpc cost nothing until used: a decode worker takes both, and NIXL when
+        # configured
+        receiver_names = tuple(sorted({"tcp", "grpc", config.kv_backend}))
         ranked = None
         if tp > 1:
             serve: list[Any] = []  # what every rank does besides forwards
             if config.serves_decode:  # receives its own KV heads
                 serve.append(RankKVSpec(config.host, config.kv_port, config.token, config.tls,
-                                        world=tp))  # fmt: skip
+                                        world=tp, backends=receiver_names))  # fmt: skip
             if config.serves_prefill:  # pushes its own KV heads
                 serve.append(RankPushSpec(config.token, config.tls, config.kv_streams,
                                           config.checksums, config.checksum_every,
@@ -173,11 +176,8 @@ async def start_worker(
 
         handoff = None
         if config.serves_decode:
-            # tcp and grpc cost nothing until used: a decode worker takes both, and NIXL
-            # when configured
-            names = sorted({"tcp", "grpc", config.kv_backend})
             receivers: dict[str, ReceiverBackend] = {}
-            for name in names:
+            for name in receiver_names:
                 receivers[name] = create_receiver_backend(name, ctx)
                 stack.callback(receivers[name].close)
             assert ctx.pool is not None and ctx.leases is not None
@@ -185,8 +185,9 @@ async def start_worker(
             if tp > 1:
                 assert ranked is not None and engine.layout is not None
                 ranks = await asyncio.to_thread(
-                    RankKV, engine, aengine.call, engine.layout, ranked.ranks.store.port
-                )
+                    RankKV, engine, aengine.call, engine.layout, ranked.ranks.store.port,
+                    receiver_names,
+                )  # fmt: skip
             handoff = DecodeHandoff(
                 aengine,
                 compat,

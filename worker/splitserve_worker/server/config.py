@@ -10,7 +10,7 @@ from typing import Literal
 from splitserve.tls import TlsConfig, TlsError
 
 from splitserve_worker.kv.faults import FaultConfig
-from splitserve_worker.kv.transport import MAX_STREAMS, SPAN_BACKENDS
+from splitserve_worker.kv.transport import MAX_STREAMS
 
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
@@ -168,14 +168,6 @@ class WorkerConfig:
             raise ConfigError(
                 f"--tp-allreduce must be one of {', '.join(TP_ALLREDUCE)}, "
                 f"got {self.tp_allreduce!r}"
-            )
-        tp = self.tensor_parallel_size
-        if tp > 1 and self.serves_decode and self.kv_backend not in SPAN_BACKENDS:
-            raise ConfigError(
-                f"--tensor-parallel-size {tp} with --role {self.role} takes --kv-backend "
-                f"{' or '.join(SPAN_BACKENDS)}: each rank receives its own KV heads on ports "
-                f"of its own, which {self.kv_backend} does not reach; use --kv-backend tcp "
-                "(or grpc), or --tensor-parallel-size 1"
             )
         try:  # the engine's own checks, said with the flags' names
             self.engine_config()

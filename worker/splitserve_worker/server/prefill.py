@@ -130,7 +130,7 @@ class PrefillRunner:
             target = target_from_handle(handle)
             heads = self.ctx.compat.kv_heads
             own, push = range(heads), None  # every head: rank 0 gathers whole layers
-            if self.ranks is not None and self.ranks.direct(backend_name):
+            if self.ranks is not None and self.ranks.direct(target, backend_name):
                 own, push = self.ranks.own, PushOrder(target, backend_name)
             sender: KVSender = await asyncio.to_thread(open_split, backend, target, own, heads)
         except (TransferError, ValueError, ImportError) as e:

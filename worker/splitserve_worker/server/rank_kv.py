@@ -7,7 +7,9 @@ and each other rank's pool hold only that rank's KV heads, at the same block ids
   process (:class:`RankReceiver`): a ``tcp`` KV port and a gRPC port of its own that
   takes ``PushKV`` (:class:`RankPushKV`), each with rank 0's checks (the worker token,
   the lease, the span against its reservation before any byte is written, the crc32
-  when one comes), and names both in the worker's store (``kv-port/<r>/<backend>``);
+  when one comes), and, when the worker takes ``nixl``, a NIXL agent of its own that
+  registers its pool (NIXL writes land straight in it, each layer's notification marks
+  it arrived); it names each in the worker's store (``kv-port/<r>/<backend>``);
 - Reserve's answer lists every rank's KV heads and, for the backend reserved, where the
   rank receives them (``TransferHandle.kv_ranks``); a prefill worker pushes each rank
   exactly its heads (:mod:`splitserve_worker.kv.head_split`);
@@ -25,10 +27,9 @@ pool that holds them, as over ``tcp``, and the rank's server is rank 0's (the sa
 interceptor, TLS, limits and message decoding), on a thread of the rank's own
 (:class:`~.grpc_listen.ServerThread`) since its main thread runs the forwards.
 
-Only ``tcp`` and ``grpc`` reach the ranks' pools directly (NIXL would need every rank's
-memory registered and named in the handle); a Reserve for another backend on such a
-worker is refused with FAILED_PRECONDITION naming the layout. A rank that dies takes the
-worker down as any lost rank does (:mod:`splitserve_worker.parallel.launch`).
+A Reserve for a backend the ranks do not serve is refused with FAILED_PRECONDITION
+naming the layout. A rank that dies takes the worker down as any lost rank does
+(:mod:`splitserve_worker.parallel.launch`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from splitserve_worker.kv.grpc_sender import rank_metadata
 from splitserve_worker.kv.kvwire import KVSpan
 from splitserve_worker.kv.layout import PoolView
 from splitserve_worker.kv.lease import Lease, LeaseError, LeaseTable
+from splitserve_worker.kv.nixl_receiver import NixlReceiver
 from splitserve_worker.kv.span_receiver import SpanReceiver
 from splitserve_worker.kv.tcp_server import Refused, TcpServer
 from splitserve_worker.kv.tcp_wire import Frame, Refusal, Status, handle_metadata
@@ -128,6 +130,9 @@ class RankKVSpec:
     tls: TlsConfig
     world: int
     """The worker's ranks."""
+    backends: tuple[str, ...] = SPAN_BACKENDS
+    """What the worker takes KV over (``tcp`` and ``grpc`` always; ``nixl`` when its
+    ``--kv-backend`` is)."""
 
 
 def rank_compat(loaded: LoadedModel, config: EngineConfig) -> Compat:
@@ -175,6 +180,18 @@ class RankReceiver:
         except BaseException:
             self.server.close()
             raise
+        self.nixl: NixlReceiver | None = None
+        if "nixl" in spec.backends:
+            try:
+                self.nixl = NixlReceiver(
+                    BackendContext(compat=compat, pool=self.pool, leases=self.leases,
+                                   name_hint=f"splitserve-rank{rank}"),
+                    on_complete=self.placed,
+                )  # fmt: skip
+            except BaseException:
+                self.close()
+                raise
+            self._publish("nixl", self.nixl.backend_metadata())
         self._publish("tcp", handle_metadata(self.server.port, tls is not None))
         self._publish("grpc", rank_metadata(self.grpc.port))
 
@@ -241,6 +258,9 @@ class RankReceiver:
         return True
 
     def close(self) -> None:
+        if getattr(self, "nixl", None) is not None:
+            assert self.nixl is not None
+            self.nixl.close()
         self.grpc.close()
         self.server.close()
 
@@ -356,29 +376,30 @@ class RankKV:
     told of each lease, and their acknowledgements awaited at Commit."""
 
     def __init__(self, engine: Any, call: Callable[..., Any], layout: TPLayout,
-                 store_port: int) -> None:  # fmt: skip
+                 store_port: int, backends: tuple[str, ...] = SPAN_BACKENDS) -> None:  # fmt: skip
         """``engine``: rank 0's engine (its ``group`` sends the steps); ``call``: runs a
-        function on the engine thread (the async engine's ``call``)."""
+        function on the engine thread (the async engine's ``call``); ``backends``: what
+        the other ranks take KV over (:attr:`RankKVSpec.backends`)."""
         self._engine = engine
         self._call = call
         self.layout = layout
+        self.backends = backends
         self._store = _client(store_port)
         self._lock = threading.Lock()
         self._metadata = {(r, b): bytes(self._store.get(port_key(r, b)))
-                          for r in range(1, layout.world) for b in SPAN_BACKENDS}  # fmt: skip
+                          for r in range(1, layout.world) for b in backends}  # fmt: skip
 
     def describe(self) -> str:
         return self.layout.describe()
 
     def check_backend(self, backend: str) -> None:
-        if backend not in SPAN_BACKENDS:
+        if backend not in self.backends:
             raise RpcFailure(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"this decode worker holds its KV over {self.layout.world} tensor-parallel "
-                f"ranks ({self.layout.describe()}): KV reaches each rank's pool over "
-                f"{' or '.join(SPAN_BACKENDS)} only, not {backend!r}; Reserve with "
-                f"kv_backend={' or '.join(SPAN_BACKENDS)}, or serve {backend} with "
-                "--tensor-parallel-size 1",
+                f"ranks ({self.layout.describe()}), which take KV over "
+                f"{' or '.join(self.backends)}, not {backend!r}; Reserve with one of them, "
+                f"or start the worker with --kv-backend {backend}",
             )
 
     def handle_ranks(self, backend: str, own_metadata: bytes) -> list[pb.KVRank]:

@@ -10,8 +10,10 @@ Each rank ``r > 0`` says in the worker's store how its push ended (``kv-sent/<le
 ``ok`` or the error); rank 0 commits only once its own push and every other rank's have
 been acknowledged by the decode side.
 
-Over NIXL (which writes whole blocks of one pool) rank 0 gathers each layer's heads
-through the group and pushes them.
+Over NIXL, which writes whole blocks of a pool, each rank pushes its own heads only when
+each decode rank's heads lie within one source rank's (P(TP2)->D(TP2), P(TP1)->D(TP2));
+otherwise (a decode worker of one pool, or ranks that cut across) rank 0 gathers each
+layer's heads through the group and writes each decode rank its part.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from splitserve.kv_compat import Compat
 from splitserve.tls import TlsConfig
 
 from splitserve_worker.engine.model_runner import RankPush
-from splitserve_worker.kv.head_split import open_split
+from splitserve_worker.kv.head_split import open_split, overlap
 from splitserve_worker.kv.transport import (
     SPAN_BACKENDS,
     BackendContext,
@@ -73,9 +75,23 @@ class RankPushSpec:
     transfer_timeout_s: float
 
 
-def pushes_directly(layout: TPLayout, backend: str) -> bool:
-    """Whether every rank pushes its own heads over ``backend`` (else rank 0 gathers)."""
-    return layout.world > 1 and backend in SPAN_BACKENDS
+def pushes_directly(layout: TPLayout, target: TransferTarget, backend: str) -> bool:
+    """Whether every rank pushes its own heads into ``target`` over ``backend`` (else
+    rank 0 gathers): always over the span backends; over NIXL when each decode rank's
+    heads lie within one source rank's (its blocks then come whole from that rank)."""
+    if layout.world == 1:
+        return False
+    if backend in SPAN_BACKENDS:
+        return True
+    if not target.kv_ranks:
+        return False
+    for r in target.kv_ranks:
+        want = range(r.kv_head_start, r.kv_head_stop)
+        for s in layout.kv_owners():
+            got = overlap(layout.kv_heads(s), want)
+            if got and got != want:
+                return False
+    return True
 
 
 def _client(store_port: int) -> Any:
@@ -179,8 +195,8 @@ class RankPushes:
         self._store = _client(store_port)
         self._lock = threading.Lock()
 
-    def direct(self, backend: str) -> bool:
-        return pushes_directly(self.layout, backend)
+    def direct(self, target: TransferTarget, backend: str) -> bool:
+        return pushes_directly(self.layout, target, backend)
 
     def wait_sent(self, lease_id: str, timeout: float) -> str | None:
         """None once every other source rank's push was acknowledged; else why not (a
