@@ -387,3 +387,7 @@ class TcpServer:
         self._listener.close()
         for conn in conns:
             conn.abort()
+        if threading.current_thread() is not self._thread:
+            # the shut-down listener wakes accept() at once: wait for the thread to see it,
+            # so a stopped worker leaves no thread behind
+            self._thread.join(timeout=5.0)
