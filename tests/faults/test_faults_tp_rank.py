@@ -81,7 +81,7 @@ def test_a_killed_rank_takes_its_worker_down_and_requests_finish_elsewhere(
         await s.wait_router_sees(rest)
 
     asyncio.run(go())
-    assert worker.wait(30) == 3
+    assert worker.wait(30) == 3, "\n".join(s.procs.lines[-60:])
     said = [ln for ln in s.procs.lines if "error:" in ln and "tensor-parallel rank 1" in ln]
     assert said, s.procs.lines[-20:]
     assert not alive(rank1)

@@ -141,3 +141,25 @@ async def test_a_caller_cancelled_mid_call_leaves_no_blocks_held(
             await ae.call(lambda: None)
         s = await ae.call(ae.engine.stats)
         assert (s["free_blocks"], s["reserved"], s["running"]) == (s["total_blocks"], 0, 0), s
+
+
+async def test_a_step_that_keeps_failing_fails_its_streams_and_the_thread_serves_on(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that fails again while the failed requests are drained (a lost rank, a dead
+    device: every forward fails) still ends each stream with an error, and the engine
+    thread lives on to answer the next call."""
+    engine = Engine(tiny, EngineConfig(num_blocks=64))
+    errors: list[BaseException] = []
+
+    def broken() -> list[object]:
+        raise RuntimeError("every forward fails")
+
+    async with AsyncEngine(engine, on_error=errors.append) as ae:
+        monkeypatch.setattr(engine, "step", broken)
+        outs = [o async for o in ae.generate("x", [3, 4, 5], SamplingParams(max_tokens=4))]
+        assert outs[-1].finished and outs[-1].error and "every forward fails" in outs[-1].error
+        assert errors and ae.running
+        monkeypatch.undo()
+        assert await _collect(ae.generate("y", [3, 4, 5], SamplingParams(max_tokens=2))) != []
+        assert ae.stats()["free_blocks"] == ae.stats()["total_blocks"]

@@ -82,7 +82,9 @@ def convert_builtin(target: Path) -> Path:
         _log("step 1/3: loading the tokenizer")
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         _log("step 2/3: dequantising weights (about 20 s)")
-        model: Any = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, use_kernels=False
+        )
         # The GGUF weights are dequantised on load: what is saved is a plain checkpoint.
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
@@ -227,9 +229,11 @@ def load_model(name_or_path: str, dtype: str = "auto", device: str | None = None
     ckpt_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     dt = torch_dtype(dtype, ckpt_dtype)
     dev = pick_device(device)
-    # straight onto the device, tensor by tensor: no whole copy in host memory first
+    # straight onto the device, tensor by tensor: no whole copy in host memory first.
+    # No hub kernels: the engine runs its own forward over these modules, and swapping
+    # them (transformers >= 5.25 does by default) would fetch code from the hub at start.
     model: Any = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=dt, attn_implementation="sdpa", device_map=dev
+        str(path), dtype=dt, attn_implementation="sdpa", device_map=dev, use_kernels=False
     )
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(path))

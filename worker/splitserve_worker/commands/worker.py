@@ -295,4 +295,15 @@ def run(args: argparse.Namespace) -> int:
     except (TokenError, ConfigError, TlsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(config))
+    code = asyncio.run(serve(config))
+    from splitserve_worker.server.device_health import DEVICE_FAILED_EXIT
+
+    if code == DEVICE_FAILED_EXIT:
+        # Everything of ours is stopped (the ranks ended, ports closed), but a failed device
+        # or a lost rank leaves native threads behind (gloo's, NCCL's, CUDA's) whose
+        # destructors can abort the interpreter's teardown and turn this status into
+        # SIGABRT: leave without that teardown, so Kubernetes sees the status it restarts on.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

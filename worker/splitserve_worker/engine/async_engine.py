@@ -129,7 +129,10 @@ class AsyncEngine:
         for rid in rids:
             self.engine.release(rid)
             out.append(RequestOutput(rid, [], [], True, FinishReason.ERROR.value, message))
-        self.engine.step()  # drains the abort outputs the releases queued
+        try:
+            self.engine.step()  # drains the abort outputs the releases queued
+        except Exception:  # the step that failed fails again (a lost rank, a dead device)
+            log.exception("draining the engine after a failed step failed too")
         return out
 
     def _dispatch(self, outputs: Iterable[RequestOutput]) -> None:
