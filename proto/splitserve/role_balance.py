@@ -8,7 +8,11 @@ router measures; the unit tests feed it numbers worked out by hand.
 The rule, in order (the first that applies decides):
 
 1. a switch under way: hold (one at a time);
-2. both sides under pressure, or neither: no switch (scaling is the planner's);
+2. neither side under pressure: no switch; both: no switch when a pod can be added
+   (scaling is the planner's), but on a fixed budget (no pod can be added) the side at
+   least ``dominance`` times further over its SLO than the other is the needy one, and
+   the other, pressed less, gives a worker without having to be comfortable (rule 4):
+   on a fixed budget capacity goes where it is short the most;
 3. the side under pressure must have been so for ``sustain_s`` (hysteresis in time);
 4. the other side, the donor, must be comfortable: no pressure and its latency under
    ``comfort_band`` of its SLO (hysteresis in level: a donor near its SLO would be the
@@ -132,6 +136,12 @@ class BalanceConfig:
     """Workers each role keeps, fixed and switchable together."""
     colocate_last: bool = True
     """When the donor's last worker would go, switch it to ``both`` instead."""
+    dominance: float = 3.0
+    """With both sides over their SLOs and no pod to add: how many times further over
+    its SLO (latency over objective) one side must be than the other to take a worker
+    from it. High enough that a side merely slowed by its neighbour's load (on shared
+    hosts both latencies rise together) is not mistaken for the short one; ``inf``
+    never switches under pressure on both sides."""
 
     def __post_init__(self) -> None:
         for name in ("min_dwell_s", "sustain_s", "cache_rewarm_s", "max_switch_cost_s"):
@@ -141,6 +151,8 @@ class BalanceConfig:
             raise ValueError(f"comfort_band must be in (0, 1), got {self.comfort_band}")
         if self.min_per_role < 1:
             raise ValueError(f"min_per_role must be >= 1, got {self.min_per_role}")
+        if not self.dominance > 1:
+            raise ValueError(f"dominance must be > 1, got {self.dominance}")
 
 
 @dataclass(frozen=True)
@@ -181,6 +193,29 @@ def _move(
     return None
 
 
+def _dominant(prefill: SideLoad, decode: SideLoad, dominance: float) -> Role | None:
+    """The side at least ``dominance`` times further over its SLO than the other (both
+    pressed), or None: each needs a reading."""
+    if prefill.slo_ratio is None or decode.slo_ratio is None:
+        return None
+    if prefill.slo_ratio >= dominance * decode.slo_ratio:
+        return Role.PREFILL
+    if decode.slo_ratio >= dominance * prefill.slo_ratio:
+        return Role.DECODE
+    return None
+
+
+def _both_pressed(prefill: SideLoad, decode: SideLoad, costs: Costs, config: BalanceConfig) -> str:
+    if costs.can_scale:
+        return "both sides under pressure: add pods, not switch"
+
+    def said(side: SideLoad) -> str:
+        return "no reading" if side.slo_ratio is None else f"{side.slo_ratio:.3g}x"
+
+    return (f"both sides under pressure (prefill {said(prefill)}, decode {said(decode)} "
+            f"their SLOs), neither {config.dominance:g}x the other's; no pod to add")  # fmt: skip
+
+
 def decide(
     prefill: SideLoad,
     decode: SideLoad,
@@ -197,15 +232,17 @@ def decide(
 
     if split.switching:
         return hold(Reason.SWITCHING, f"{split.switching} worker(s) switching")
+    forced: Role | None = None
     if prefill.pressed and decode.pressed:
-        return hold(Reason.BOTH_PRESSED, "both sides under pressure: add pods, not switch",
-                    replace(memory, needy=None, needy_since=None))  # fmt: skip
-    if not (prefill.pressed or decode.pressed):
+        forced = None if costs.can_scale else _dominant(prefill, decode, config.dominance)
+        if forced is None:
+            return hold(Reason.BOTH_PRESSED, _both_pressed(prefill, decode, costs, config),
+                        replace(memory, needy=None, needy_since=None))  # fmt: skip
+    elif not (prefill.pressed or decode.pressed):
         return hold(Reason.BALANCED, "neither side under pressure",
                     replace(memory, needy=None, needy_since=None))  # fmt: skip
-    needy, donor_role = (
-        (Role.PREFILL, Role.DECODE) if prefill.pressed else (Role.DECODE, Role.PREFILL)
-    )
+    needy = forced or (Role.PREFILL if prefill.pressed else Role.DECODE)
+    donor_role = Role.DECODE if needy is Role.PREFILL else Role.PREFILL
     donor = decode if needy is Role.PREFILL else prefill
     since = memory.needy_since
     if memory.needy is not needy or since is None:
@@ -215,7 +252,7 @@ def decide(
     if pressed_for < config.sustain_s:
         return hold(Reason.SUSTAIN, f"{needy} under pressure for {pressed_for:g} s of "
                     f"{config.sustain_s:g}", memory)  # fmt: skip
-    if not donor.comfortable(config.comfort_band):
+    if forced is None and not donor.comfortable(config.comfort_band):
         ratio = "no reading" if donor.slo_ratio is None else f"{donor.slo_ratio:.3g}x SLO"
         return hold(Reason.DONOR_BUSY, f"{donor_role} is not comfortable ({ratio})", memory)
     move = _move(split, donor_role, needy, config)
@@ -236,6 +273,8 @@ def decide(
         return BalanceDecision(None, Reason.TOO_COSTLY, f"a switch costs {cost:.3g} s, over "
                                f"{config.max_switch_cost_s:g} s", memory, cost)  # fmt: skip
     done = BalanceMemory(last_switch_at=now)
-    detail = (f"{frm} -> {to}: {needy} under pressure for {pressed_for:g} s, a switch "
-              f"costs {cost:.3g} s vs {costs.cold_start_s:.3g} s for a new pod")  # fmt: skip
+    worse = (f" ({needy} {config.dominance:g}x further over its SLO than {donor_role}, "
+             f"no pod to add)" if forced else "")  # fmt: skip
+    detail = (f"{frm} -> {to}: {needy} under pressure for {pressed_for:g} s{worse}, a "
+              f"switch costs {cost:.3g} s vs {costs.cold_start_s:.3g} s for a new pod")  # fmt: skip
     return BalanceDecision(to, Reason.SWITCH, detail, done, cost, frm)

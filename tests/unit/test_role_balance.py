@@ -31,10 +31,14 @@ QUEUED = SideLoad(slo_ratio=0.9, queue_pressure=True)
 KV_FULL = SideLoad(slo_ratio=0.5, kv_pressure=True)
 CALM = SideLoad(slo_ratio=0.4)
 NEAR = SideLoad(slo_ratio=0.85)  # inside the SLO, above the comfort band
+FAR = SideLoad(slo_ratio=6.0)
+QUEUED_ONLY = SideLoad(slo_ratio=None, queue_pressure=True)  # queued, nothing finished yet
 SPLIT = Split(prefill=1, decode=1, fixed_prefill=1, fixed_decode=1)
 """A switchable pool of two beside one fixed worker of each role."""
 # drain 5 s + 0.5 hit ratio x 30 s = 20 s a switch, vs 300 s for a new pod
 COSTS = Costs(drain_s=5, prefix_hit_ratio=0.5, cold_start_s=300, can_scale=True)
+FIXED = replace(COSTS, can_scale=False)
+"""The same costs on a fixed budget: no pod can be added."""
 SUSTAINED = BalanceMemory(needy=Role.PREFILL, needy_since=0.0)
 SUSTAINED_DECODE = BalanceMemory(needy=Role.DECODE, needy_since=0.0)
 
@@ -166,6 +170,19 @@ SUSTAINED_DECODE = BalanceMemory(needy=Role.DECODE, needy_since=0.0)
             Role.PREFILL,
             Reason.SWITCH,
         ),
+        # both pressed, no pod to add: prefill 6x its SLO >= 3 x decode's 1.5x: the worse
+        # side takes a worker from the other, comfortable or not
+        (FAR, HOT, SPLIT, FIXED, SUSTAINED, 10.0, Role.PREFILL, Reason.SWITCH),
+        # ... decode 4.5x >= 3 x prefill's 1.5x the other way
+        (HOT, SideLoad(4.5), SPLIT, FIXED, SUSTAINED_DECODE, 10.0, Role.DECODE, Reason.SWITCH),
+        # ... 4.4x is not 3 x 1.5x: neither is short the most
+        (SideLoad(4.4), HOT, SPLIT, FIXED, SUSTAINED, 10.0, None, Reason.BOTH_PRESSED),
+        # ... still only once the pressure has lasted sustain_s
+        (FAR, HOT, SPLIT, FIXED, BalanceMemory(), 10.0, None, Reason.SUSTAIN),
+        # ... and a side pressed by its queue alone has no reading to compare
+        (QUEUED_ONLY, HOT, SPLIT, FIXED, SUSTAINED, 10.0, None, Reason.BOTH_PRESSED),
+        # with a pod to add, both pressed is the planner's to scale, however uneven
+        (FAR, HOT, SPLIT, COSTS, SUSTAINED, 10.0, None, Reason.BOTH_PRESSED),
         # drain 100 s + 0.9 x 30 s = 127 s > 120 s: too costly even with no pod to add
         (
             HOT,
@@ -249,3 +266,25 @@ def test_bad_config_says_which_field() -> None:
         BalanceConfig(comfort_band=1.2)
     with pytest.raises(ValueError, match="min_dwell_s"):
         BalanceConfig(min_dwell_s=-1)
+    with pytest.raises(ValueError, match="dominance"):
+        BalanceConfig(dominance=1.0)
+
+
+def test_a_fixed_budget_under_uneven_pressure_moves_once_per_dwell_and_says_why() -> None:
+    """Both sides over their SLOs, prefill far the worse, no pod to add: a decode
+    worker moves to prefill; no second switch comes within the dwell however the
+    pressure stays; and the last decode worker is never taken, only shared."""
+    split = Split(prefill=1, decode=2)
+    d = decide(FAR, HOT, split, FIXED, SUSTAINED, 10.0, CFG)
+    assert (d.switch_from, d.switch_to, d.reason) == (Role.DECODE, Role.PREFILL, Reason.SWITCH)
+    assert "3x further over its SLO" in d.detail
+    split = split.after(Role.DECODE, Role.PREFILL)
+    later = decide(FAR, HOT, split, FIXED, d.memory, 20.0, CFG)
+    assert later.reason is Reason.SUSTAIN  # the clock starts again after a switch
+    later = decide(FAR, HOT, split, FIXED, later.memory, 50.0, CFG)
+    assert (later.switch_to, later.reason) == (None, Reason.DWELL)
+    later = decide(FAR, HOT, split, FIXED, later.memory, 70.0, CFG)
+    assert (later.switch_from, later.switch_to) == (Role.DECODE, Role.BOTH)
+    split = split.after(Role.DECODE, Role.BOTH)
+    later = decide(FAR, HOT, split, FIXED, SUSTAINED, 200.0, CFG)
+    assert (later.switch_to, later.reason) == (None, Reason.NO_DONOR)
