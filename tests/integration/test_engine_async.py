@@ -143,7 +143,7 @@ async def test_a_caller_cancelled_mid_call_leaves_no_blocks_held(
         assert (s["free_blocks"], s["reserved"], s["running"]) == (s["total_blocks"], 0, 0), s
 
 
-async def test_a_step_that_keeps_failing_fails_its_streams_and_the_thread_serves_on(
+async def test_a_step_that_fails_again_while_draining_fails_its_streams_and_serves_on(
     tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A step that fails again while the failed requests are drained (a lost rank, a dead
@@ -151,15 +151,19 @@ async def test_a_step_that_keeps_failing_fails_its_streams_and_the_thread_serves
     thread lives on to answer the next call."""
     engine = Engine(tiny, EngineConfig(num_blocks=64))
     errors: list[BaseException] = []
+    step = engine.step
+    failing = [True, True]  # the step, then the drain after it
 
     def broken() -> list[object]:
-        raise RuntimeError("every forward fails")
+        if failing:
+            failing.pop()
+            raise RuntimeError("every forward fails")
+        return step()
 
     async with AsyncEngine(engine, on_error=errors.append) as ae:
         monkeypatch.setattr(engine, "step", broken)
         outs = [o async for o in ae.generate("x", [3, 4, 5], SamplingParams(max_tokens=4))]
         assert outs[-1].finished and outs[-1].error and "every forward fails" in outs[-1].error
-        assert errors and ae.running
-        monkeypatch.undo()
+        assert not failing and errors and ae.running
         assert await _collect(ae.generate("y", [3, 4, 5], SamplingParams(max_tokens=2))) != []
         assert ae.stats()["free_blocks"] == ae.stats()["total_blocks"]

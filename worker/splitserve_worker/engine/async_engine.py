@@ -28,6 +28,10 @@ T = TypeVar("T")
 IDLE_WAIT_S = 0.05
 """How long the idle engine thread sleeps before looking for work again (it is also
 woken at once by every call)."""
+RETRY_AFTER_FAILED_DRAIN_S = 0.5
+"""How long the engine thread waits before stepping again when even the drain after a
+failed step failed: what fails so fails again at once (a lost rank, a dead device), and
+the thread must not spin on it while the worker goes down."""
 
 
 @dataclass
@@ -133,6 +137,7 @@ class AsyncEngine:
             self.engine.step()  # drains the abort outputs the releases queued
         except Exception:  # the step that failed fails again (a lost rank, a dead device)
             log.exception("draining the engine after a failed step failed too")
+            self._stop.wait(RETRY_AFTER_FAILED_DRAIN_S)
         return out
 
     def _dispatch(self, outputs: Iterable[RequestOutput]) -> None:
