@@ -1,6 +1,6 @@
 """Switchable workers against a static split, on this machine and in the simulator.
 
-    .venv/bin/python bench/flex.py [--phase-s 20] [--rounds 2]
+    .venv/bin/python bench/flex.py [--phase-s 20] [--rounds 2] [--overload 1.5]
 
 Local (the tiny test model, real worker processes, the router in this process): a
 trace whose mix takes turns between long prompts (short answers) and long answers
@@ -12,11 +12,11 @@ right before the trace: the objectives are three times its TTFT for one long pro
 and its TPOT for one long answer; the load is set from its capacity, measured closed
 loop (long prompts completed per second by its one prefill worker; long answers per
 second by its one decode worker at the most streams whose TPOT stays inside the
-objective): each phase offers 1.5 times what the static split serves. Both stacks stay
-up and the rounds alternate between them (static, flex, static, flex), so a change in
-the host's other load falls on both alike. Printed: the calibration, SLO attainment
-and goodput of each, and the time from each phase change to the switch that
-rebalanced for it.
+objective): each phase offers ``--overload`` (1.5) times what the static split
+serves. Both stacks stay up and the rounds alternate between them (static, flex,
+static, flex), so a change in the host's other load falls on both alike. Printed: the
+calibration, SLO attainment and goodput of each, and the time from each phase change
+to the switch that rebalanced for it.
 
 Simulated (:mod:`flex_sim`): the same kind of trace on Llama 3.1 70B on H100s where a
 new pod takes five minutes: the planner scaling with new pods against the same GPUs as
@@ -282,7 +282,7 @@ OVERLOAD = 1.5
 of the role is short, two keep up."""
 
 
-async def local_bench(phase_s: float, rounds: int) -> dict[str, float]:
+async def local_bench(phase_s: float, rounds: int, overload: float) -> dict[str, float]:
     use_test_support()
     from tiny_models import save_tiny_llama
 
@@ -291,7 +291,7 @@ async def local_bench(phase_s: float, rounds: int) -> dict[str, float]:
         async with stack(model, False, (1.0, 1.0)) as (static_base, static):
             cal = await calibrate(static_base)
             slo = cal.slo
-            p_rate, g_rate = OVERLOAD * cal.prompts_per_s, OVERLOAD * cal.answers_per_s
+            p_rate, g_rate = overload * cal.prompts_per_s, overload * cal.answers_per_s
             print(f"static split now: TTFT {cal.ttft:.3f} s (a {LONG_PROMPT}-token prompt), "
                   f"TPOT {cal.tpot * 1000:.1f} ms (one stream); serves "
                   f"{cal.prompts_per_s:.2f} long prompts/s and {cal.answers_per_s:.2f} long "
@@ -349,9 +349,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--phase-s", type=float, default=20.0, help="seconds of each local phase")
     p.add_argument("--rounds", type=int, default=2, help="prompt/answer phase pairs")
+    p.add_argument("--overload", type=float, default=OVERLOAD,
+                   help="each phase's offered load over what the static split serves")  # fmt: skip
     args = p.parse_args()
     sim = sim_bench()
-    local = asyncio.run(local_bench(args.phase_s, args.rounds))
+    local = asyncio.run(local_bench(args.phase_s, args.rounds, args.overload))
     print(f"RESULT flex_vs_static_attainment={local['ratio']:.3f} "
           f"rebalance_seconds={local['rebalance_s']:.1f} "
           f"sim_switch_vs_scale_attainment={sim:.3f}")  # fmt: skip
