@@ -151,7 +151,6 @@ class Wrong:
     """A backend whose answers are off: the check must refuse it."""
 
     name = "wrong"
-    static_decode = False
 
     def plan(self, spans: Sequence[Span]) -> Any:
         return None

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from splitserve_worker.engine.attention.base import Span
+from splitserve_worker.engine.attention.base import Span, StaticDecodeBackend
 from splitserve_worker.engine.attention.buckets import bucket_for
 from splitserve_worker.engine.model_runner import Chunk, ModelRunner, StepPlan
 
@@ -80,7 +80,8 @@ class DecodeGraphs:
     """Decode steps from per-bucket static buffers (see the module's docstring)."""
 
     def __init__(self, runner: ModelRunner, buckets: Sequence[int], *, capture: bool) -> None:
-        if not runner.attention.static_decode:
+        attention = runner.attention
+        if not isinstance(attention, StaticDecodeBackend):
             raise ValueError(
                 f"attention backend {runner.attention.name} has no static decode plan: "
                 "decode steps cannot run from static buffers with it"
@@ -90,6 +91,7 @@ class DecodeGraphs:
         if capture and runner.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.runner = runner
+        self.attention: StaticDecodeBackend = attention
         self.buckets = tuple(buckets)
         self.capture = capture
         self.stats = GraphStats()
@@ -149,7 +151,7 @@ class DecodeGraphs:
         )
         bucket.inputs.copy_(host.view(3, bucket.batch), non_blocking=True)
         spans = [Span(i, i + 1, c.start, c.block_table) for i, c in enumerate(chunks)]
-        self.runner.attention.refill(bucket.plan.attention, spans)
+        self.attention.refill(bucket.plan.attention, spans)
 
     def _bucket(self, size: int) -> Bucket:
         bucket = self._buckets.get(size)
@@ -161,7 +163,7 @@ class DecodeGraphs:
                 positions=inputs[1],
                 slots=inputs[2],
                 logit_rows=torch.arange(size, device=device),
-                attention=self.runner.attention.static_plan(size),
+                attention=self.attention.static_plan(size),
                 scored=[],
             )
             bucket = self._buckets[size] = Bucket(size, inputs, plan)

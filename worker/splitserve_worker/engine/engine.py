@@ -18,6 +18,7 @@ from splitserve.prefix_hash import block_hashes
 from splitserve.sampling import SamplingParams
 
 from splitserve_worker.engine import identity
+from splitserve_worker.engine.attention.base import StaticDecodeBackend
 from splitserve_worker.engine.attention.buckets import batch_buckets
 from splitserve_worker.engine.config import EngineConfig
 from splitserve_worker.engine.decode_graphs import DecodeGraphs
@@ -86,7 +87,7 @@ class Engine:
         self.attention = stack.runner.attention
         self.decode_graphs: DecodeGraphs | None = None
         """Decode steps from static buffers (CUDA graphs on CUDA), when they run here."""
-        if stack.static and self.attention.static_decode:
+        if stack.static and isinstance(self.attention, StaticDecodeBackend):
             capture = device.type == "cuda" and config.cuda_graphs
             buckets = batch_buckets(config.max_num_seqs)
             self.decode_graphs = DecodeGraphs(self.runner, buckets, capture=capture)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -58,14 +58,10 @@ class AttentionBackend(Protocol):
     """Attention of a batch's query rows over the pool.
 
     :meth:`plan` is called once per forward (host work: index tensors, masks, shared by
-    every layer); :meth:`attend` once per layer, with that plan. A backend with
-    ``static_decode`` also keeps, per batch-size bucket, fixed buffers that a decode-only
-    plan lives in, so a captured CUDA graph can replay it after :meth:`refill`.
+    every layer); :meth:`attend` once per layer, with that plan.
     """
 
     name: str
-    static_decode: bool
-    """Whether :meth:`static_plan` / :meth:`refill` exist (CUDA graphs need them)."""
 
     def plan(self, spans: Sequence[Span]) -> Any:
         """Everything the layers need for these spans (in row order, covering all rows)."""
@@ -80,6 +76,13 @@ class AttentionBackend(Protocol):
         pool), ``kb``/``vb`` one layer's pool ``[num_blocks, block_size, kv_heads,
         head_dim]``."""
         ...
+
+
+@runtime_checkable
+class StaticDecodeBackend(AttentionBackend, Protocol):
+    """A backend that also keeps, per batch-size bucket, fixed buffers that a decode-only
+    plan lives in, so a captured CUDA graph can replay it after :meth:`refill` (decode
+    from static buffers, :mod:`..decode_graphs`, needs one)."""
 
     def static_plan(self, batch: int) -> Any:
         """A decode plan of exactly ``batch`` rows whose tensors stay put (for a graph)."""

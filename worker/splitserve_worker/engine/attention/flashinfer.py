@@ -44,7 +44,6 @@ class FlashInferPlan:
 
 class FlashInferAttention:
     name = "flashinfer"
-    static_decode = False
 
     def __init__(self, shape: AttentionShape) -> None:
         reason = unavailable_reason(shape.device, shape.dtype)
@@ -99,9 +98,3 @@ class FlashInferAttention:
         for p in plan.prefills:
             out[p.lo : p.hi] = prefill_attention(p, q, k, v, kb, vb, self.shape.scale)
         return out
-
-    def static_plan(self, batch: int) -> Any:
-        raise NotImplementedError("flashinfer plans on the host every step: no static plan")
-
-    def refill(self, plan: Any, spans: Sequence[Span]) -> None:
-        raise NotImplementedError("flashinfer plans on the host every step: no static plan")

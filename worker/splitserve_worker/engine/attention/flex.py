@@ -109,7 +109,6 @@ class FlexAttention:
     """FlexAttention over the pool in place (see the module's docstring)."""
 
     name = "flex"
-    static_decode = True
 
     def __init__(self, shape: AttentionShape, max_batch: int) -> None:
         reason = unavailable_reason(shape.device)

@@ -139,7 +139,6 @@ class SdpaAttention:
     """Gather + SDPA (see the module's docstring)."""
 
     name = "sdpa"
-    static_decode = False
 
     def __init__(self, shape: AttentionShape) -> None:
         self.shape = shape
@@ -200,12 +199,6 @@ class SdpaAttention:
         qf = q.reshape(b, kv_heads, heads // kv_heads, dim)
         o = F.scaled_dot_product_attention(qf, kd, vd, attn_mask=g.mask, scale=self.shape.scale)
         return o.reshape(b, heads, dim)
-
-    def static_plan(self, batch: int) -> SdpaPlan:
-        raise NotImplementedError("sdpa gathers per step: it has no static decode plan")
-
-    def refill(self, plan: SdpaPlan, spans: Sequence[Span]) -> None:
-        raise NotImplementedError("sdpa gathers per step: it has no static decode plan")
 
 
 def _group(
