@@ -73,18 +73,21 @@ def stack_router(
     stack: str, workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any
 ) -> RouterThread:
     """A router over the module's workers: ``disaggregated`` (prefill + decode, every
-    request moved), ``colocated`` (the ``both`` worker) or ``mixed`` (all three)."""
+    request moved), ``to-colocated`` (prefill + the ``both`` worker, every request moved
+    into the colocated worker, as a switchable pair mid-rebalance does), ``colocated``
+    (the ``both`` worker) or ``mixed`` (all three)."""
     token, eps = workers
     by_role = {e.role: e for e in eps}
-    if stack == "disaggregated":
-        return router(token, tokenizer, [by_role[Role.PREFILL], by_role[Role.DECODE]],
+    if stack in ("disaggregated", "to-colocated"):
+        into = Role.DECODE if stack == "disaggregated" else Role.BOTH
+        return router(token, tokenizer, [by_role[Role.PREFILL], by_role[into]],
                       disaggregation=ALWAYS_REMOTE)  # fmt: skip
     if stack == "colocated":
         return router(token, tokenizer, [by_role[Role.BOTH]])
     return router(token, tokenizer, eps)
 
 
-@pytest.mark.parametrize("stack", ["disaggregated", "colocated", "mixed"])
+@pytest.mark.parametrize("stack", ["disaggregated", "to-colocated", "colocated", "mixed"])
 def test_greedy_tokens_equal_transformers(
     stack: str, workers: tuple[str, list[WorkerEndpoint]], tokenizer: Any, reference: Any
 ) -> None:
@@ -94,7 +97,7 @@ def test_greedy_tokens_equal_transformers(
             assert complete(base, prompt, stream=False) == want
             assert complete(base, prompt, stream=True) == want
         made = decisions(base)
-    if stack == "disaggregated":
+    if stack in ("disaggregated", "to-colocated"):
         assert made.get("remote", 0) == 2 * len(PROMPTS) and made.get("local", 0) == 0
     elif stack == "colocated":
         assert made.get("local", 0) == 2 * len(PROMPTS) and made.get("remote", 0) == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from splitserve_worker.router.config import CostModelConfig
 from splitserve_worker.router.decision import DecisionInput, Where, decide, transfer_exposed_s
@@ -80,9 +82,26 @@ def test_a_long_local_prefill_goes_remote_whatever_the_costs() -> None:
     assert decide(alone, COST).where is Where.LOCAL
 
 
-def test_no_prefill_worker_or_colocated_means_local() -> None:
+def test_no_prefill_worker_means_local() -> None:
     assert decide(DecisionInput(5000, prefill_available=False), COST).where is Where.LOCAL
-    assert decide(DecisionInput(5000, decode_is_colocated=True), COST).where is Where.LOCAL
+
+
+def test_a_colocated_worker_weighs_a_prefill_worker_by_the_costs_alone() -> None:
+    # an idle prefill worker: remote 1000/1000 + 0.1 + 0.01 = 1.11 s; local 1.0 + 0.5 * 2
+    # * 1.0 = 2.0 s: the prefill worker spares the two streams the stall
+    idle = DecisionInput(1000, decode_running=2, decode_is_colocated=True)
+    d = decide(idle, COST)
+    assert d.where is Where.REMOTE and d.remote_s == pytest.approx(1.11)
+    assert d.local_s == pytest.approx(2.0)
+    # a prefill worker with 3 s of prompts ahead: remote 4.11 s, local 2.0 s. A decode
+    # worker proper would still send it remote (1.0 s of stall, limit 0.1 s); a colocated
+    # one serves prompts by design and takes it
+    queued = DecisionInput(1000, prefill_wait_s=3.0, decode_running=2, decode_is_colocated=True)
+    d = decide(queued, COST)
+    assert d.where is Where.LOCAL and d.local_s == pytest.approx(2.0)
+    assert decide(dataclasses.replace(queued, decode_is_colocated=False), COST).where is Where.REMOTE
+    # short prompts stay where they are
+    assert decide(DecisionInput(20, decode_is_colocated=True), COST).where is Where.LOCAL
 
 
 def test_prefix_cached_on_prefill_worker_makes_remote_cheaper() -> None:

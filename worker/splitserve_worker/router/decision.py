@@ -10,7 +10,9 @@ decoding (each running sequence waits for the whole local prefill), weighted
 by ``decode_stall_weight``. A local prefill longer than ``max_decode_stall_s`` is
 never chosen while a prefill worker can take it: it holds back the next token of
 every stream decoding there, now or arriving during it, which is the
-interference disaggregation exists to remove.
+interference disaggregation exists to remove. A 'both' (colocated) decode worker is
+the exception: it serves prompts by design, and only the costs say whether a prefill
+worker beside it should take one (it does when it is less busy).
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ class DecisionInput:
     prefill_available: bool = True
     """False when no prefill worker can take the request."""
     decode_is_colocated: bool = False
-    """The decode worker is a 'both' worker: local chunked prefill is its normal path."""
+    """The decode worker is a 'both' worker: prefilling is its job as much as a prefill
+    worker's, so ``max_decode_stall_s`` does not bar it; the costs decide (a free prefill
+    worker spares its streams the stall, a queued one loses to it)."""
 
 
 @dataclass(frozen=True)
@@ -96,13 +100,11 @@ def decide(inp: DecisionInput, cost: CostModelConfig, policy: Policy = Policy.AU
         return Decision(Where.REMOTE, "policy: always disaggregate", remote_s, local_s)
     if policy is Policy.NEVER:
         return Decision(Where.LOCAL, "policy: never disaggregate", remote_s, local_s)
-    if inp.decode_is_colocated:
-        return Decision(Where.LOCAL, "colocated worker prefills its own prompts", remote_s, local_s)
     if uncached_local <= cost.short_prompt_tokens:
         return Decision(
             Where.LOCAL, "short or mostly cached on the decode worker", remote_s, local_s
         )
-    if local_compute > cost.max_decode_stall_s:
+    if local_compute > cost.max_decode_stall_s and not inp.decode_is_colocated:
         return Decision(
             Where.REMOTE,
             f"local prefill would hold the decode worker for {local_compute:.3f} s "

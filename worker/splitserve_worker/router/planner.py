@@ -88,9 +88,11 @@ class RoutePlanner:
         decode = self.decode_profile.choose(req, decode_side)
         if decode is None:
             raise NoWorker("no healthy decode worker has room for this prompt")
-        # a prefill worker distinct from the decode worker ('both' workers can be either)
+        # a prefill worker distinct from the decode worker ('both' workers can be either);
+        # a 'both' decode worker hands prompts only to a prefill worker proper: another
+        # 'both' worker would just take the stall on its own streams instead
         prefill = None
-        if not force_local and decode.worker.role is not Role.BOTH:
+        if not force_local:
             others = RouteRequest(
                 num_prompt_tokens,
                 block_hashes,
@@ -98,7 +100,10 @@ class RoutePlanner:
                 exclude=exclude | {decode.worker.identity},
                 cached_blocks=cached,
             )
-            prefill = self.prefill_profile.choose(others, prefill_side)
+            candidates = prefill_side
+            if decode.worker.role is Role.BOTH:
+                candidates = tuple(w for w in prefill_side if w.role is Role.PREFILL)
+            prefill = self.prefill_profile.choose(others, candidates)
         bs = cfg.block_size
         cost = self.estimator.cost
         d = decode.worker
