@@ -2,22 +2,22 @@
 
     .venv/bin/python bench/flex.py [--phase-s 20] [--rounds 2] [--overload 1.2]
 
-Local (a small Llama made for the run, ``MODEL_SHAPE``; real worker processes, the router in this process): a
-trace whose mix takes turns between long prompts (short answers) and long answers
-(short prompts) runs against (a) a static 1 prefill + 1 decode split and (b) two
-switchable workers (starting 1 + 1) under the rebalancer of ``splitserve up --flex``,
-with the same objectives. On a host shared with other work an idle calibration says
-little about a loaded run, so everything is measured in this run, on the static stack,
-right before the trace: the objectives are three times its TTFT for one long prompt
-and its TPOT for one long answer; the load is set from its capacity, measured closed
-loop (long prompts completed per second by its one prefill worker; long answers per
-second by its one decode worker at the concurrency that completes the most while its
-TPOT stays inside the objective): each phase offers ``--overload`` (1.2) times what the static split
-serves. Both stacks stay up and the rounds alternate between them (static, flex,
-static, flex), so a change in the host's other load falls on both alike. Printed: the
-calibration, SLO attainment and goodput of each (and of each phase, with why requests
-missed), and the time from each phase change to a split whose workers all serve the
-phase's heavy role (0 when the split already did).
+Local (a small Llama made for the run, ``MODEL_SHAPE``; real worker processes, the
+router in this process): a trace whose mix takes turns between long prompts (short
+answers) and long answers (short prompts) runs against (a) a static 1 prefill + 1 decode
+split and (b) two switchable workers (starting 1 + 1) under the rebalancer of
+``splitserve up --flex``, with the same objectives. On a host shared with other work an
+idle calibration says little about a loaded run, so everything is measured in this run,
+on the static stack, right before the trace: the objectives are three times its TTFT for
+one long prompt and its TPOT for one long answer; the load is set from its capacity,
+measured closed loop (long prompts completed per second by its one prefill worker; long
+answers per second by its one decode worker at the concurrency that completes the most
+while its TPOT stays inside the objective): each phase offers ``--overload`` (1.2) times
+what the static split serves. Both stacks stay up and the rounds alternate between them
+(static, flex, static, flex), so a change in the host's other load falls on both alike.
+Printed: the calibration, SLO attainment and goodput of each (and of each phase, with
+why requests missed), and the time from each phase change to a split whose workers all
+serve the phase's heavy role (0 when the split already did).
 
 Simulated (:mod:`flex_sim`): the same kind of trace on Llama 3.1 70B on H100s where a
 new pod takes five minutes: the planner scaling with new pods against the same GPUs as
@@ -62,6 +62,9 @@ class Outcome:
     tpot: float = math.inf
     phase: str = ""
     """The trace phase it was sent in (prompts or answers)."""
+    error: str = ""
+    """Why it failed (not ok): the HTTP status and body, the stream's error, the
+    transport's."""
 
 
 @dataclass
@@ -88,6 +91,10 @@ class Local:
         slow = sum(o.ok and o.tpot > tpot for o in sent)
         return f"{failed} failed, {late} over TTFT, {slow} over TPOT"
 
+    def errors(self) -> str:
+        seen = Counter(o.error for o in self.outcomes if not o.ok)
+        return "; ".join(f"{n} x {why}" for why, n in seen.most_common())
+
 
 async def one(client: Any, base: str, prompt: list[int], max_tokens: int) -> Outcome:
     """One streamed completion; a refused or broken one is a miss."""
@@ -95,8 +102,8 @@ async def one(client: Any, base: str, prompt: list[int], max_tokens: int) -> Out
 
     try:
         return await _one(client, base, prompt, max_tokens)
-    except httpx.HTTPError:
-        return Outcome()
+    except httpx.HTTPError as e:
+        return Outcome(error=f"{type(e).__name__}: {e}")
 
 
 async def _one(client: Any, base: str, prompt: list[int], max_tokens: int) -> Outcome:
@@ -107,17 +114,22 @@ async def _one(client: Any, base: str, prompt: list[int], max_tokens: int) -> Ou
     n = 0
     async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
         if r.status_code != 200:
+            out.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
             return out
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            for c in json.loads(line[6:]).get("choices", []):
+            event = json.loads(line[6:])
+            if "error" in event:
+                out.error = f"stream error: {event['error']}"
+            for c in event.get("choices", []):
                 ids = c.get("token_ids") or []
                 if ids:
                     last = time.monotonic()
                     first = first or last
                     n += len(ids)
     if first is None or last is None or n < max_tokens:
+        out.error = out.error or f"{n} of {max_tokens} tokens"
         return out
     out.ok, out.ttft = True, first - t0
     out.tpot = (last - first) / (n - 1) if n > 1 else 0.0
@@ -369,11 +381,15 @@ async def local_bench(phase_s: float, rounds: int, overload: float) -> dict[str,
         for name, local in out.items():
             att = local.attainment(*slo)
             moves = [(round(t - starts[0], 1), w.split("@")[0], r) for t, w, r in local.switches]
-            phases = "; ".join(f"{kind} {local.attainment(*slo, kind):.3f} "
-                               f"({local.misses(*slo, kind)})" for kind in ("prompts", "answers"))  # fmt: skip
+            phases = "; ".join(
+                f"{kind} {local.attainment(*slo, kind):.3f} ({local.misses(*slo, kind)})"
+                for kind in ("prompts", "answers")
+            )
             print(f"{name:6s}: {len(local.outcomes)} requests, SLO attainment {att:.3f} "
                   f"({phases}), goodput {att * len(local.outcomes) / seconds[name]:.2f} "
                   f"req/s, switches {moves}", flush=True)  # fmt: skip
+            if local.errors():
+                print(f"{name:6s}: failed: {local.errors()}", flush=True)
     static_att, flex_att = static.attainment(*slo), flex.attainment(*slo)
     waits = rebalance_waits(flex, starts, phase_s)
     print(f"phase change to rebalanced split (s): {[round(w, 1) for w in waits]}", flush=True)

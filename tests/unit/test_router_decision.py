@@ -99,7 +99,8 @@ def test_a_colocated_worker_weighs_a_prefill_worker_by_the_costs_alone() -> None
     queued = DecisionInput(1000, prefill_wait_s=3.0, decode_running=2, decode_is_colocated=True)
     d = decide(queued, COST)
     assert d.where is Where.LOCAL and d.local_s == pytest.approx(2.0)
-    assert decide(dataclasses.replace(queued, decode_is_colocated=False), COST).where is Where.REMOTE
+    proper = dataclasses.replace(queued, decode_is_colocated=False)
+    assert decide(proper, COST).where is Where.REMOTE
     # short prompts stay where they are
     assert decide(DecisionInput(20, decode_is_colocated=True), COST).where is Where.LOCAL
 
