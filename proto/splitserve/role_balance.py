@@ -21,7 +21,10 @@ The rule, in order (the first that applies decides):
    (``both`` workers count for each role); when its last one would go and
    ``colocate_last`` allows, that worker switches to ``both`` instead (it keeps its
    role and takes the needy one too: two workers can still rebalance);
-6. at most one switch per ``min_dwell_s``;
+6. at most one switch per ``min_dwell_s``; a switch forced by rule 2 that takes a
+   worker back from the side the last switch gave one to waits ``reversal_dwells``
+   dwells (each such switch makes the other side the worse one, and a pair of workers
+   would trade one role back and forth, a dwell apart, for as long as both are pressed);
 7. cost: a switch costs the donor's drain plus the prefix cache it loses (its hit
    ratio times ``cache_rewarm_s``); a new pod costs its cold start. Switch when that is
    cheaper, or when no pod can be added and the switch costs under
@@ -136,6 +139,11 @@ class BalanceConfig:
     """Workers each role keeps, fixed and switchable together."""
     colocate_last: bool = True
     """When the donor's last worker would go, switch it to ``both`` instead."""
+    reversal_dwells: float = 3.0
+    """How many dwells a switch forced by uneven pressure on both sides waits when it
+    takes a worker back from the side the last switch gave one to (``1``: no longer than
+    any switch). A side that is comfortable again gives its worker back after one dwell,
+    as ever."""
     dominance: float = 3.0
     """With both sides over their SLOs and no pod to add: how many times further over
     its SLO (latency over objective) one side must be than the other to take a worker
@@ -153,6 +161,8 @@ class BalanceConfig:
             raise ValueError(f"min_per_role must be >= 1, got {self.min_per_role}")
         if not self.dominance > 1:
             raise ValueError(f"dominance must be > 1, got {self.dominance}")
+        if not self.reversal_dwells >= 1:
+            raise ValueError(f"reversal_dwells must be >= 1, got {self.reversal_dwells}")
 
 
 @dataclass(frozen=True)
@@ -160,6 +170,8 @@ class BalanceMemory:
     """What the policy remembers between ticks."""
 
     last_switch_at: float | None = None
+    last_gave: Role | None = None
+    """The side (prefill or decode) the last switch gave a worker to."""
     needy: Role | None = None
     needy_since: float | None = None
 
@@ -174,6 +186,14 @@ class BalanceDecision:
     switch_cost_s: float | None = None
     switch_from: Role | None = None
     """The role of the worker that switches."""
+
+
+def gave_to(frm: Role, to: Role) -> Role:
+    """The side a switch from ``frm`` to ``to`` gave a worker to: ``to``, or for a worker
+    that took on both roles, the one it did not serve before."""
+    if to is not Role.BOTH:
+        return to
+    return Role.DECODE if frm is Role.PREFILL else Role.PREFILL
 
 
 def _move(
@@ -262,9 +282,13 @@ def decide(
                     f"{split.serving(donor_role)} serving, {config.min_per_role} kept)",
                     memory)  # fmt: skip
     frm, to = move
-    if memory.last_switch_at is not None and now - memory.last_switch_at < config.min_dwell_s:
+    takes_back = forced is not None and memory.last_gave is donor_role
+    dwell = config.min_dwell_s * (config.reversal_dwells if takes_back else 1.0)
+    if memory.last_switch_at is not None and now - memory.last_switch_at < dwell:
+        back = (f" (it would take back the worker the last switch gave {donor_role}, "
+                f"both sides pressed)" if takes_back else "")  # fmt: skip
         return hold(Reason.DWELL, f"last switch {now - memory.last_switch_at:g} s ago, "
-                    f"dwell {config.min_dwell_s:g} s", memory)  # fmt: skip
+                    f"dwell {dwell:g} s{back}", memory)  # fmt: skip
     cost = costs.drain_s + costs.prefix_hit_ratio * config.cache_rewarm_s
     if costs.can_scale and cost >= costs.cold_start_s:
         return BalanceDecision(None, Reason.SCALING_CHEAPER, f"a switch costs {cost:.3g} s, "
@@ -272,7 +296,7 @@ def decide(
     if cost > config.max_switch_cost_s:
         return BalanceDecision(None, Reason.TOO_COSTLY, f"a switch costs {cost:.3g} s, over "
                                f"{config.max_switch_cost_s:g} s", memory, cost)  # fmt: skip
-    done = BalanceMemory(last_switch_at=now)
+    done = BalanceMemory(last_switch_at=now, last_gave=gave_to(frm, to))
     worse = (f" ({needy} {config.dominance:g}x further over its SLO than {donor_role}, "
              f"no pod to add)" if forced else "")  # fmt: skip
     detail = (f"{frm} -> {to}: {needy} under pressure for {pressed_for:g} s{worse}, a "

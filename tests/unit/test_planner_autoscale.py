@@ -460,6 +460,28 @@ def test_a_refused_relabel_switches_nothing_and_is_retried(flex_rig: Any) -> Non
     assert cluster.roles()["chat-flex-a"] == "prefill"
 
 
+def test_a_new_operator_knows_which_side_the_last_switch_gave_a_worker(flex_rig: Any) -> None:
+    """Both pools at their maximum (no pod to add), TTFT 6x its SLO and TPOT 1.5x: the
+    policy would take a decode role from a colocated pod. The last switch (100 s ago,
+    read back from status.flex) gave decode that worker: taking it back waits three
+    dwells, across the restart too."""
+    scaler, cluster, source, clock = flex_rig
+    source.obs = Observation(**{**CALM, "ttft_s": 6.0, "tpot_s": 0.075})
+    full = service(prefill={"minReplicas": 1, "maxReplicas": 2},
+                   decode={"minReplicas": 1, "maxReplicas": 2})  # fmt: skip
+    full["spec"]["flex"] = {"replicas": 2}
+    last = {"time": "2026-11-29T09:58:20Z", "pod": "chat-flex-b", "from": "prefill",
+            "to": "both"}  # fmt: skip
+    full["status"] = {"flex": {"lastSwitch": last}}
+    scaler.tick(full)
+    assert cluster.label_applies == []
+    flex = cluster.status_applies[-1]["flex"]
+    assert flex["reason"] == "dwell" and "take back" in flex["message"], flex
+    clock.t += 80  # 180 s after that switch
+    scaler.tick(full)
+    assert cluster.label_applies == [("chat-flex-a", {"splitserve.io/role": "prefill"}, PLANNER)]
+
+
 def test_the_dwell_holds_across_an_operator_restart(flex_rig: Any) -> None:
     """A new operator reads the last switch from status.flex: 20 s ago is inside 60 s."""
     scaler, cluster, source, clock = flex_rig

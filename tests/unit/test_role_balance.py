@@ -268,6 +268,8 @@ def test_bad_config_says_which_field() -> None:
         BalanceConfig(min_dwell_s=-1)
     with pytest.raises(ValueError, match="dominance"):
         BalanceConfig(dominance=1.0)
+    with pytest.raises(ValueError, match="reversal_dwells"):
+        BalanceConfig(reversal_dwells=0.5)
 
 
 def test_a_fixed_budget_under_uneven_pressure_moves_once_per_dwell_and_says_why() -> None:
@@ -288,3 +290,41 @@ def test_a_fixed_budget_under_uneven_pressure_moves_once_per_dwell_and_says_why(
     split = split.after(Role.DECODE, Role.BOTH)
     later = decide(FAR, HOT, split, FIXED, SUSTAINED, 200.0, CFG)
     assert (later.switch_to, later.reason) == (None, Reason.NO_DONOR)
+
+
+def test_a_forced_switch_that_takes_back_the_last_ones_worker_waits_longer() -> None:
+    """On a fixed budget, prefill far over its SLO takes a decode worker; then the
+    colocated decodes suffer and decode is the side far over: taking the worker back
+    waits three dwells (180 s), not one, or the pair would trade it every dwell. A
+    comfortable prefill side gives it back after one dwell, as ever."""
+    d = decide(FAR, HOT, Split(prefill=1, decode=1), FIXED, SUSTAINED, 10.0, CFG)
+    assert (d.switch_from, d.switch_to) == (Role.DECODE, Role.BOTH)
+    assert d.memory.last_gave is Role.PREFILL
+    split = Split(prefill=1, decode=0, both=1)
+    memory = d.memory
+    for now in (20.0, 40.0, 80.0, 120.0, 180.0):  # sustained from 20, dwell x3 to 190
+        later = decide(HOT, FAR, split, FIXED, memory, now, CFG)
+        memory = later.memory
+        assert later.switch_to is None, (now, later.detail)
+    assert later.reason is Reason.DWELL and "take back" in later.detail
+    later = decide(HOT, FAR, split, FIXED, memory, 190.0, CFG)
+    assert (later.switch_from, later.switch_to) == (Role.PREFILL, Role.DECODE)
+    assert later.memory.last_gave is Role.DECODE
+    # prefill comfortable again: one dwell is enough
+    calm = decide(CALM, FAR, split, FIXED, d.memory, 20.0, CFG)
+    calm = decide(CALM, FAR, split, FIXED, calm.memory, 70.0, CFG)
+    assert (calm.switch_from, calm.switch_to) == (Role.PREFILL, Role.DECODE)
+    # and a forced switch that gives the same side more waits one dwell
+    more = decide(FAR, HOT, Split(prefill=1, decode=2), FIXED, SUSTAINED, 10.0, CFG)
+    more = decide(FAR, HOT, Split(prefill=2, decode=1), FIXED, more.memory, 20.0, CFG)
+    more = decide(FAR, HOT, Split(prefill=2, decode=1), FIXED, more.memory, 70.0, CFG)
+    assert (more.switch_from, more.switch_to) == (Role.DECODE, Role.BOTH)
+
+
+def test_gave_to_names_the_side_a_switch_served() -> None:
+    from splitserve.role_balance import gave_to
+
+    assert gave_to(Role.DECODE, Role.PREFILL) is Role.PREFILL
+    assert gave_to(Role.BOTH, Role.DECODE) is Role.DECODE
+    assert gave_to(Role.DECODE, Role.BOTH) is Role.PREFILL
+    assert gave_to(Role.PREFILL, Role.BOTH) is Role.DECODE

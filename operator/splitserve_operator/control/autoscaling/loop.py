@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.metric_server import MetricsServer, start_metrics_server
-from splitserve.role_balance import BalanceDecision, BalanceMemory, Costs, Split
+from splitserve.role_balance import BalanceDecision, BalanceMemory, Costs, Split, gave_to
+from splitserve.roles import Role
 
 from splitserve_operator.api.durations import format_duration
 from splitserve_operator.api.fields import as_int, as_map, count, timestamp
@@ -356,7 +357,8 @@ class Autoscaler:
 
     def _recall_switch(self, body: Mapping[str, Any], memory: _Memory, now: float) -> None:
         """After an operator restart: the last switch from ``status.flex.lastSwitch``, so
-        the dwell holds across it (its wall time turned into the loop's clock)."""
+        the dwell holds across it (its wall time turned into the loop's clock), and the
+        side it gave a worker to is known."""
         last = as_map(as_map(as_map(body.get("status")).get("flex")).get("lastSwitch"))
         try:
             at = dt.datetime.fromisoformat(str(last.get("time")))
@@ -366,7 +368,11 @@ class Autoscaler:
             return
         memory.last_switch = {str(k): str(v) for k, v in last.items()}
         ago = (self._wall() - at).total_seconds()
-        memory.balance = BalanceMemory(last_switch_at=now - max(0.0, ago))
+        try:
+            gave: Role | None = gave_to(Role(str(last.get("from"))), Role(str(last.get("to"))))
+        except ValueError:  # roles not written by us: the dwell alone holds
+            gave = None
+        memory.balance = BalanceMemory(last_switch_at=now - max(0.0, ago), last_gave=gave)
 
     def _integrity(
         self, body: Mapping[str, Any], source: MetricsSource, target: Target
