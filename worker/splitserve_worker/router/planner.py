@@ -43,6 +43,18 @@ class Plan:
         return self.prefill is not None
 
 
+@dataclass(frozen=True)
+class _Sides:
+    """A snapshot's workers by what they can take."""
+
+    prefill: Sequence[WorkerView]
+    """Prefill and 'both' workers."""
+    prefill_only: Sequence[WorkerView]
+    """Prefill workers proper: the ones a 'both' decode worker hands prompts to."""
+    decode: Sequence[WorkerView]
+    """Decode and 'both' workers."""
+
+
 class NoWorker(Exception):
     """No worker can take the request now (all busy, full, failed or absent)."""
 
@@ -57,17 +69,16 @@ class RoutePlanner:
         self.prefill_profile: Profile = prefill_profile(pw.prefix, pw.load)
         self.decode_profile: Profile = decode_profile(dw.kv_free, dw.running, dw.prefix)
         self._split_of: Sequence[WorkerView] | None = None
-        self._sides: tuple[Sequence[WorkerView], Sequence[WorkerView]] = ((), ())
+        self._sides: _Sides = _Sides((), (), ())
 
-    def _split(
-        self, workers: Sequence[WorkerView]
-    ) -> tuple[Sequence[WorkerView], Sequence[WorkerView]]:
+    def _split(self, workers: Sequence[WorkerView]) -> _Sides:
         """Workers by side, computed once per snapshot (snapshots are immutable tuples)."""
         if self._split_of is not workers:
             self._split_of = workers
-            self._sides = (
-                tuple(w for w in workers if w.role in PREFILL_ROLES),
-                tuple(w for w in workers if w.role in DECODE_ROLES),
+            self._sides = _Sides(
+                prefill=tuple(w for w in workers if w.role in PREFILL_ROLES),
+                prefill_only=tuple(w for w in workers if w.role is Role.PREFILL),
+                decode=tuple(w for w in workers if w.role in DECODE_ROLES),
             )
         return self._sides
 
@@ -84,8 +95,8 @@ class RoutePlanner:
         req = RouteRequest(
             num_prompt_tokens, block_hashes, cfg.block_size, exclude=exclude, cached_blocks=cached
         )
-        prefill_side, decode_side = self._split(workers)
-        decode = self.decode_profile.choose(req, decode_side)
+        sides = self._split(workers)
+        decode = self.decode_profile.choose(req, sides.decode)
         if decode is None:
             raise NoWorker("no healthy decode worker has room for this prompt")
         # a prefill worker distinct from the decode worker ('both' workers can be either);
@@ -100,9 +111,8 @@ class RoutePlanner:
                 exclude=exclude | {decode.worker.identity},
                 cached_blocks=cached,
             )
-            candidates = prefill_side
-            if decode.worker.role is Role.BOTH:
-                candidates = tuple(w for w in prefill_side if w.role is Role.PREFILL)
+            colocated = decode.worker.role is Role.BOTH
+            candidates = sides.prefill_only if colocated else sides.prefill
             prefill = self.prefill_profile.choose(others, candidates)
         bs = cfg.block_size
         cost = self.estimator.cost
@@ -135,7 +145,7 @@ class RoutePlanner:
         None while one may (a busy one may free up, one that is down may come back, as
         itself or restarted): every decode worker already failed it and is still that
         same worker, or holds fewer blocks in all than the prompt needs."""
-        _, decode_side = self._split(workers)
+        decode_side = self._split(workers).decode
         if not decode_side:
             return None  # none known yet: discovery may bring one
         need = RouteRequest(num_prompt_tokens, block_size=self.config.block_size).blocks_needed
